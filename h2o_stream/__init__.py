@@ -1,0 +1,8 @@
+"""h2o-stream: streaming, infinite-context generation with a fixed-size KV cache (H2O, StreamingLLM sinks)."""
+
+from .attention import attach
+from .cache import StreamingCache
+from .errors import H2OStreamError
+from .policies import POLICIES, EvictionPolicy, make_policy, register
+
+__all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "StreamingCache", "attach", "make_policy", "register"]

@@ -1,0 +1,28 @@
+"""`full`: never evict. The reference for 'no eviction'; memory grows with the stream."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .base import EvictionPolicy
+from .registry import register
+
+
+@register
+@dataclass
+class FullPolicy(EvictionPolicy):
+    name = "full"
+    parts = ()
+
+    @classmethod
+    def from_budget(cls, cache_size):
+        return cls()
+
+    @property
+    def budget(self) -> None:
+        return None
+
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        raise AssertionError("the full policy never evicts")

@@ -1,0 +1,98 @@
+"""Position rolling: cached keys are used as if rotated to their current slot, the query at the next slot.
+
+The cache stores keys *un-rotated* and rotates them to slots 0..n-1 for every forward pass, from cos/sin tables that
+the model's own rotary module computes (so rope scaling types, the attention scaling factor and partial rotary dims all
+follow the model). A key is un-rotated once, when it arrives, with the very cos/sin the model rotated it with; after
+that it is only ever rotated from its stored form, never re-rotated in place, so a million renumberings add no drift.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .errors import H2OStreamError
+
+# Model families whose attention rotates the first `rotary_dim` dims of q and k with the rotate-half convention
+# (x * cos + rotate_half(x) * sin), gets cos/sin from `<base model>.rotary_emb(x, position_ids)`, and calls
+# `cache.update` after the rotation. Families that rotate interleaved pairs (e.g. cohere, glm) are not listed.
+ROTATE_HALF_FAMILIES = frozenset({
+    "llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3", "gpt_neox", "gemma",
+    "stablelm", "olmo", "olmo2", "granite", "smollm3", "starcoder2", "helium",
+})
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class RopeRoller:
+    """cos/sin for slot positions, and the rotation and exact un-rotation of keys.
+
+    Tables are memoised by length: within one forward every layer shares them, and in steady state the length
+    (cache size + chunk) repeats, so they are computed once. The model's rotary module is called with positions
+    0..length-1, the same elementwise computation the model does for the query, so the values agree bit for bit.
+    """
+
+    def __init__(self, rotary: nn.Module, head_dim: int):
+        self.rotary = rotary
+        self.head_dim = head_dim
+        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def for_model(cls, model: nn.Module) -> RopeRoller:
+        config = model.config.get_text_config(decoder=True)
+        model_type = getattr(config, "model_type", "?")
+        rotary = getattr(model.base_model, "rotary_emb", None)
+        if model_type not in ROTATE_HALF_FAMILIES or rotary is None:
+            supported = ", ".join(sorted(ROTATE_HALF_FAMILIES))
+            raise H2OStreamError(
+                f"position rolling needs a rotary (RoPE) model of a known family; {model_type!r} is not one "
+                f"(supported: {supported}). Pass --no-rolling to keep true stream positions instead.")
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        return cls(rotary, head_dim)
+
+    def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(cos, sin, 1/(cos²+sin²)) for positions 0..length-1, each (length, rotary_dim), float32."""
+        key = (length, device)
+        if key not in self._tables:
+            if len(self._tables) > 8:
+                self._tables.clear()
+            probe = torch.zeros(1, dtype=torch.float32, device=device)
+            positions = torch.arange(length, device=device).unsqueeze(0)
+            with torch.no_grad():
+                cos, sin = self.rotary(probe, positions)
+            cos, sin = cos[0].float(), sin[0].float()
+            # cos²+sin² is the square of the model's attention scaling factor (1 for plain RoPE); dividing by it
+            # makes the un-rotation the exact inverse of the model's scaled rotation.
+            self._tables[key] = (cos, sin, 1.0 / (cos * cos + sin * sin))
+        return self._tables[key]
+
+    def rotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """x (..., L, head_dim) rotated to positions start..stop-1 (L = stop - start)."""
+        cos, sin, _ = self.table(stop, x.device)
+        return _apply(x, cos[start:stop], sin[start:stop], scale=None)
+
+    def unrotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        """Inverse of the model's rotation of x at positions start..stop-1."""
+        cos, sin, inv_norm = self.table(stop, x.device)
+        return _apply(x, cos[start:stop], -sin[start:stop], scale=inv_norm[start:stop])
+
+    def rotate_by(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool, length: int) -> torch.Tensor:
+        """x (..., L, head_dim) rotated (or un-rotated) by per-row positions (L,), each < length."""
+        cos, sin, inv_norm = self.table(length, x.device)
+        cos, sin, inv_norm = cos[positions], sin[positions], inv_norm[positions]
+        return _apply(x, cos, -sin if inverse else sin, scale=inv_norm if inverse else None)
+
+
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    rotary_dim = cos.shape[-1]
+    x_rot = x[..., :rotary_dim].float()
+    out = x_rot * cos + rotate_half(x_rot) * sin
+    if scale is not None:
+        out = out * scale
+    out = out.to(x.dtype)
+    if rotary_dim == x.shape[-1]:
+        return out
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
