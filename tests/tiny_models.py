@@ -1,0 +1,45 @@
+"""Tiny random-weight models of several RoPE families, built from configs (no downloads)."""
+
+from __future__ import annotations
+
+import torch
+import transformers
+
+VOCAB = 101
+COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, max_position_embeddings=1024,
+              bos_token_id=0, eos_token_id=1, pad_token_id=1)
+
+FAMILIES = {
+    # family: (config class, model class, extra config)
+    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2)),  # qkv bias
+    "mistral": ("MistralConfig", "MistralForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                   partial_rotary_factor=0.5)),
+    "gpt_neox": ("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(num_attention_heads=4, rotary_pct=0.25)),
+    "gemma": ("GemmaConfig", "GemmaForCausalLM", dict(num_attention_heads=4, num_key_value_heads=1, head_dim=24)),
+    "llama_yarn": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                         "original_max_position_embeddings": 256})),
+    "llama3_scaling": ("LlamaConfig", "LlamaForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2,
+        rope_parameters={"rope_type": "llama3", "factor": 8.0, "rope_theta": 500000.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
+}
+
+
+def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None = None, **overrides):
+    """A random-weight causal LM; a larger `init_std` gives peakier attention (fewer near-ties in H2O scores)."""
+    config_name, model_name, extra = FAMILIES[family]
+    kwargs = {**COMMON, **extra, **overrides}
+    if init_std is not None:
+        kwargs["initializer_range"] = init_std
+    config = getattr(transformers, config_name)(**kwargs)
+    torch.manual_seed(seed)
+    return getattr(transformers, model_name)(config).eval()
+
+
+def random_ids(length: int, *, seed: int = 1) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (1, length), generator=generator)
