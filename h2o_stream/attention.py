@@ -30,8 +30,11 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     layer = cache.layers[module.layer_idx]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
-    if layer.policy.needs_scores or kwargs.get("softcap") is not None:
-        output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"))
+    sink_query = cache.sink_queries(query, key.shape[-2])
+    if layer.policy.needs_scores or sink_query is not None or kwargs.get("softcap") is not None:
+        sinks = (layer.policy.band() or (0, 0))[0]
+        output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
+                                              sinks)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
@@ -40,14 +43,21 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     return output, None
 
 
-def attend_with_scores(query, key, value, mask, scaling, softcap=None):
+def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
-    and over the query heads that share its KV head: (batch, kv_heads, k_len)."""
+    and over the query heads that share its KV head: (batch, kv_heads, k_len).
+
+    `sink_query`, if given, replaces the query for the first `sinks` key columns (see StreamingCache.sink_queries).
+    """
     batch, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     # Query head h reads KV head h // group (transformers' repeat_kv); grouping avoids materialising repeated keys.
     logits = torch.matmul(query.reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2)) * scaling
+    if sink_query is not None:
+        sink_logits = torch.matmul(sink_query.reshape(batch, kv_heads, group * q_len, dim),
+                                   key[..., :sinks, :].transpose(-1, -2)) * scaling
+        logits = torch.cat([sink_logits, logits[..., sinks:]], dim=-1)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits.view(batch, kv_heads, group, q_len, k_len)
@@ -80,7 +90,10 @@ def _before_forward(module, args, kwargs):
         inputs = kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
-    kwargs["position_ids"] = cache.next_positions(inputs.shape[1], inputs.device)
+    kwargs["position_ids"], band_mask = cache.begin_forward(inputs.shape[1], inputs.device)
+    if band_mask is not None:
+        # A 4D mask is taken by transformers as-is; padding masks have no meaning for a single stream.
+        kwargs["attention_mask"] = band_mask
     module._h2o_stream_tokens.append(_active_cache.set(cache))
     return args, kwargs
 

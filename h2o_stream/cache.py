@@ -155,14 +155,45 @@ class StreamingCache(Cache):
         # The mask is built in slot space: queries sit right after the n cached entries.
         return self.layers[layer_idx].slots
 
-    def next_positions(self, length: int, device) -> torch.Tensor:
-        """Position ids for the next `length` tokens."""
+    def begin_forward(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids for the next `length` tokens, and the banded mask chunked mode needs (or None)."""
         start = self.slots if self.rolling else self.seen
         if self.rolling and self.context is not None and start + length > self.context:
             raise H2OStreamError(
                 f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
                 f"{start + length - 1}, beyond the model's context of {self.context}; use a smaller chunk or cache")
-        return torch.arange(start, start + length, device=device).unsqueeze(0)
+        positions = torch.arange(start, start + length, device=device).unsqueeze(0)
+        return positions, self.band_mask(length, device)
+
+    def band_mask(self, length: int, device) -> torch.Tensor | None:
+        """For sink/window: query i (slot n+i) sees slots j <= n+i with j < sinks or j >= n+i-recent, exactly the
+        keys exact mode would give it. (batch 1, 1, length, n+length) bool, True = attend."""
+        band = self.policy.band()
+        if band is None or length == 1:
+            return None
+        sinks, recent = band
+        n = self.slots
+        query_slot = torch.arange(n, n + length, device=device).unsqueeze(-1)
+        key_slot = torch.arange(n + length, device=device)
+        visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
+        return visible[None, None]
+
+    def sink_queries(self, query: torch.Tensor, key_length: int) -> torch.Tensor | None:
+        """Queries as exact mode places them relative to the sinks, or None when that is where they already are.
+
+        In exact mode a query never sits beyond slot `budget`, so a sink at slot s is budget - s away. In a chunk,
+        query i sits at slot n+i; for the sink columns it is moved back to min(n+i, budget).
+        """
+        sinks, _ = self.policy.band() or (0, 0)
+        length = query.shape[-2]
+        n = key_length - length  # entries cached before this chunk
+        budget = self.policy.budget
+        if not (self.rolling and sinks and length > 1 and n + length - 1 > budget):
+            return None
+        roller = self.layers[0].roller
+        slots = torch.arange(n, n + length, device=query.device)
+        raw = roller.rotate_by(query, slots, inverse=True, length=n + length)
+        return roller.rotate_by(raw, slots.clamp(max=budget), inverse=False, length=n + length)
 
     def state(self) -> dict:
         return {"policy": self.policy.settings(), "rolling": self.rolling,

@@ -37,6 +37,12 @@ class EvictionPolicy(ABC):
         (accumulated attention) or is None when `needs_scores` is False. Called only when n > budget.
         """
 
+    def band(self) -> tuple[int, int] | None:
+        """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
+        predecessors. Such policies need no decision inside a chunk, so chunked mode can equal exact mode with a
+        banded mask. None for policies that decide from scores (or never evict)."""
+        return None
+
     def describe(self) -> str:
         """How the budget splits, printed for users (e.g. 'h2o heavy=128 recent=128')."""
         fields = ", ".join(f"{k}={v}" for k, v in vars(self).items())

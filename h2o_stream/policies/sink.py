@@ -37,6 +37,9 @@ class SinkPolicy(EvictionPolicy):
     def budget(self) -> int:
         return self.sinks + self.recent
 
+    def band(self) -> tuple[int, int]:
+        return self.sinks, self.recent
+
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         # The sinks are the first stream tokens; once the cache is past them they always sit in slots 0..sinks-1.
         n = positions.shape[-1]

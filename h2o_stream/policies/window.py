@@ -29,5 +29,8 @@ class WindowPolicy(EvictionPolicy):
     def budget(self) -> int:
         return self.recent
 
+    def band(self) -> tuple[int, int]:
+        return 0, self.recent
+
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         return last_slots(positions.shape[-1], self.recent, positions)
