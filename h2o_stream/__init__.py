@@ -3,6 +3,8 @@
 from .attention import attach
 from .cache import StreamingCache
 from .errors import H2OStreamError
+from .perplexity import PerplexityResult, stream_perplexity
 from .policies import POLICIES, EvictionPolicy, make_policy, register
 
-__all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "StreamingCache", "attach", "make_policy", "register"]
+__all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "PerplexityResult", "StreamingCache", "attach", "make_policy",
+           "register", "stream_perplexity"]

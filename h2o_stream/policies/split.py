@@ -29,6 +29,6 @@ def make_policy(name: str, cache_size: int | None = None, *, heavy: int | None =
         takes = ", ".join(cls.parts) or "nothing but the cache size"
         raise H2OStreamError(f"the {name} policy takes {takes}; it does not take {', '.join(unused)}")
     policy = cls.from_budget(cache_size, **{k: parts[k] for k in cls.parts})
-    if cache_size is not None and policy.budget != cache_size:
+    if cache_size is not None and policy.budget not in (None, cache_size):
         raise H2OStreamError(f"{policy.describe()} adds up to {policy.budget}, not the cache size {cache_size}")
     return policy

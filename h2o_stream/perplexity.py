@@ -1,0 +1,224 @@
+"""Streaming perplexity: every token after the stream's first is predicted once, from the state before it.
+
+`PerplexityRun` is the state machine (cache, accumulated NLL, the pending prediction, the stream position); it can be
+checkpointed at any chunk boundary and resumed with bit-identical results, because nothing in it is random and the
+chunk boundaries are a function of the stream position alone.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import psutil
+import torch
+
+from .cache import StreamingCache
+from .errors import H2OStreamError
+from .policies import EvictionPolicy, make_policy
+
+CHECKPOINT_VERSION = 1
+
+
+@dataclass
+class PerplexityResult:
+    settings: dict
+    tokens_fed: int
+    predicted: int
+    nll_sum: float
+    curve: list[tuple[int, float]]
+    seconds: float
+    peak_rss_bytes: int
+    rss_samples: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def mean_nll(self) -> float:
+        return self.nll_sum / self.predicted if self.predicted else float("nan")
+
+    @property
+    def ppl(self) -> float:
+        return math.exp(self.mean_nll)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens_fed / self.seconds if self.seconds else float("nan")
+
+    def to_json(self) -> dict:
+        return {"settings": self.settings, "tokens_fed": self.tokens_fed, "predicted_tokens": self.predicted,
+                "nll_sum": self.nll_sum, "mean_nll": self.mean_nll, "ppl": self.ppl, "seconds": self.seconds,
+                "tokens_per_second": self.tokens_per_second, "peak_rss_bytes": self.peak_rss_bytes,
+                "rss_samples": self.rss_samples, "curve": self.curve}
+
+
+class PerplexityRun:
+    """Feeds a token stream through a StreamingCache in chunks and accumulates the NLL of every prediction."""
+
+    def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int = 64, rolling: bool = True,
+                 curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None):
+        if chunk_size < 1:
+            raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
+        self.model = model
+        self.policy = policy
+        self.chunk_size = chunk_size
+        self.rolling = rolling
+        self.curve_every = curve_every
+        self.reset_per_book = reset_per_book
+        self.cache = StreamingCache(model, policy, rolling=rolling)
+        context = self.cache.context
+        if rolling and context and policy.budget is not None and policy.budget + chunk_size > context:
+            raise H2OStreamError(f"cache size {policy.budget} + chunk size {chunk_size} exceeds the model's context "
+                                 f"of {context} positions; use a smaller chunk or cache")
+        self.settings = {**(settings or {}), **policy.settings(), "chunk_size": chunk_size, "rolling": rolling,
+                         "reset_per_book": reset_per_book}
+        self.position = 0  # stream tokens fed so far
+        self.book = -1  # index of the book the last fed token belongs to
+        self.book_start = 0  # stream position where chunking restarts (moves per book with reset_per_book)
+        self.predicted = 0
+        self.nll_sum = torch.zeros((), dtype=torch.float64)
+        self.pending: torch.Tensor | None = None  # logits predicting the next token
+        self.curve: list[tuple[int, float]] = []
+        self.rss_samples: list[tuple[int, int]] = []
+        self.peak_rss = 0
+        self.seconds = 0.0
+
+    # -- feeding -------------------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def feed_chunk(self, ids: torch.Tensor) -> None:
+        """ids: (C,) tokens of one book, continuing the stream."""
+        started = time.perf_counter()
+        ids = ids.to(self.model.device)
+        logits = self.model(ids.unsqueeze(0), cache=self.cache).logits[0].float()
+        if self.pending is None:  # the stream's (or, with reset_per_book, the book's) first token is not predicted
+            predictors, targets = logits[:-1], ids[1:]
+        else:
+            predictors, targets = torch.cat([self.pending.unsqueeze(0), logits[:-1]]), ids
+        nll = torch.nn.functional.cross_entropy(predictors, targets, reduction="none")
+        before = self.predicted
+        self.nll_sum += nll.double().sum()
+        self.predicted += targets.numel()
+        self.pending = logits[-1]
+        self.position += ids.numel()
+        if self.predicted // self.curve_every > before // self.curve_every:
+            self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))
+        rss = psutil.Process().memory_info().rss
+        self.peak_rss = max(self.peak_rss, rss)
+        if not self.rss_samples or self.position >= 2 * self.rss_samples[-1][0]:
+            self.rss_samples.append((self.position, rss))
+        self.seconds += time.perf_counter() - started
+
+    def start_book(self, index: int) -> None:
+        if self.reset_per_book and index != self.book:
+            self.cache.reset()
+            self.pending = None
+            self.book_start = self.position
+        self.book = index
+
+    def run(self, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
+            on_progress=None, checkpoint=None) -> None:
+        """Consume (book index, token ids) pieces of the stream from the current position on.
+
+        Chunks are cut at multiples of chunk_size of the stream position (per book with reset_per_book), so a resumed
+        run makes exactly the chunks an uninterrupted one would. `checkpoint()` is called after chunks at its own
+        pace; `on_progress(run, fed)` after every chunk.
+        """
+        for index, ids in _skip(pieces, self.position):
+            self.start_book(index)
+            offset = 0
+            while offset < ids.numel():
+                if limit is not None and self.position >= limit:
+                    return
+                room = self.chunk_size - (self.position - self.book_start) % self.chunk_size
+                if limit is not None:
+                    room = min(room, limit - self.position)
+                piece = ids[offset:offset + room]
+                self.feed_chunk(piece)
+                offset += piece.numel()
+                if on_progress is not None:
+                    on_progress(self, piece.numel())
+                if checkpoint is not None:
+                    checkpoint(self)
+
+    def result(self) -> PerplexityResult:
+        if self.predicted and (not self.curve or self.curve[-1][0] != self.predicted):
+            self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))
+        return PerplexityResult(settings=self.settings, tokens_fed=self.position, predicted=self.predicted,
+                                nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
+                                peak_rss_bytes=self.peak_rss, rss_samples=list(self.rss_samples))
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    def state(self) -> dict:
+        return {"version": CHECKPOINT_VERSION, "settings": self.settings, "position": self.position,
+                "book": self.book, "book_start": self.book_start, "predicted": self.predicted,
+                "nll_sum": self.nll_sum, "pending": self.pending, "curve": self.curve,
+                "rss_samples": self.rss_samples, "peak_rss": self.peak_rss, "seconds": self.seconds,
+                "cache": self.cache.state()}
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Atomic: a killed write leaves the previous checkpoint intact."""
+        tmp = f"{path}.tmp"
+        torch.save(self.state(), tmp)
+        os.replace(tmp, path)
+
+    def load(self, path: str | os.PathLike) -> None:
+        try:
+            state = torch.load(path, map_location=self.model.device, weights_only=False)
+            version, settings = state["version"], state["settings"]
+        except Exception as error:  # noqa: BLE001 - any unreadable file is the same user problem
+            raise H2OStreamError(f"checkpoint {path} is corrupt or not an h2o-stream checkpoint "
+                                 f"({type(error).__name__}); delete it or choose another --out") from None
+        if version != CHECKPOINT_VERSION:
+            raise H2OStreamError(f"checkpoint {path} has format {version}, this version reads {CHECKPOINT_VERSION}")
+        if settings != self.settings:
+            differ = sorted(k for k in settings.keys() | self.settings.keys() if settings.get(k) != self.settings.get(k))
+            detail = ", ".join(f"{k}: {settings.get(k)!r} → {self.settings.get(k)!r}" for k in differ)
+            raise H2OStreamError(f"checkpoint {path} was made with other settings ({detail}); "
+                                 "rerun with the same settings or choose another --out")
+        self.cache.load_state(state["cache"])
+        self.position, self.book, self.book_start = state["position"], state["book"], state["book_start"]
+        self.predicted, self.nll_sum, self.pending = state["predicted"], state["nll_sum"], state["pending"]
+        self.curve, self.rss_samples = state["curve"], state["rss_samples"]
+        self.peak_rss, self.seconds = state["peak_rss"], state["seconds"]
+
+
+def _skip(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Drop the first `count` tokens of the stream (already fed before a resume)."""
+    for index, ids in pieces:
+        if count >= ids.numel():
+            count -= ids.numel()
+            continue
+        yield index, ids[count:]
+        count = 0
+
+
+def token_pieces(texts_or_ids, tokenizer=None) -> Iterator[tuple[int, torch.Tensor]]:
+    """(book index, ids) from a 1-D tensor / list of ints (one book), or an iterable of texts or Books."""
+    if isinstance(texts_or_ids, torch.Tensor):
+        yield 0, texts_or_ids.reshape(-1).long()
+        return
+    if isinstance(texts_or_ids, list) and texts_or_ids and isinstance(texts_or_ids[0], int):
+        yield 0, torch.tensor(texts_or_ids, dtype=torch.long)
+        return
+    if isinstance(texts_or_ids, str):
+        texts_or_ids = [texts_or_ids]
+    if tokenizer is None:
+        raise H2OStreamError("texts need a tokenizer")
+    for index, item in enumerate(texts_or_ids):
+        text = getattr(item, "text", item)
+        yield index, torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+
+
+def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
+                      cache_size: int | None = 256, chunk_size: int = 64, rolling: bool = True,
+                      reset_per_book: bool = False, max_tokens: int | None = None, curve_every: int = 1000,
+                      heavy: int | None = None, recent: int | None = None, sinks: int | None = None
+                      ) -> PerplexityResult:
+    """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache."""
+    if not isinstance(policy, EvictionPolicy):
+        policy = make_policy(policy, cache_size, heavy=heavy, recent=recent, sinks=sinks)
+    run = PerplexityRun(model, policy, chunk_size=chunk_size, rolling=rolling, curve_every=curve_every,
+                        reset_per_book=reset_per_book)
+    run.run(token_pieces(tokens_or_texts, tokenizer), limit=max_tokens)
+    return run.result()
