@@ -124,7 +124,7 @@ class PerplexityRun:
         run makes exactly the chunks an uninterrupted one would. `checkpoint()` is called after chunks at its own
         pace; `on_progress(run, fed)` after every chunk.
         """
-        for index, ids in _skip(pieces, self.position):
+        for index, ids in skip_tokens_of(pieces, self.position):
             self.start_book(index)
             offset = 0
             while offset < ids.numel():
@@ -140,6 +140,10 @@ class PerplexityRun:
                     on_progress(self, piece.numel())
                 if checkpoint is not None:
                     checkpoint(self)
+
+    @property
+    def running_ppl(self) -> float:
+        return math.exp(self.nll_sum.item() / self.predicted) if self.predicted else float("nan")
 
     def result(self) -> PerplexityResult:
         if self.predicted and (not self.curve or self.curve[-1][0] != self.predicted):
@@ -183,7 +187,7 @@ class PerplexityRun:
         self.peak_rss, self.seconds = state["peak_rss"], state["seconds"]
 
 
-def _skip(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:
+def skip_tokens_of(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:
     """Drop the first `count` tokens of the stream (already fed before a resume)."""
     for index, ids in pieces:
         if count >= ids.numel():
