@@ -32,6 +32,7 @@ class StreamingLayer(CacheLayerMixin):
         self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) accumulated attention, if the policy uses it
         self.seen = 0  # tokens this layer has been given
         self.evicted = 0  # entries cut, summed over heads
+        self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -60,7 +61,7 @@ class StreamingLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(batch, heads, c)], dim=-1)
+        self.scores = torch.nn.functional.pad(self.scores, (0, c))
         self.seen += c
         keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
         return keys, self.values
@@ -72,12 +73,29 @@ class StreamingLayer(CacheLayerMixin):
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
+        rows = self._kept_rows(budget)
+        self.evicted += self.positions.numel() - rows.numel()
+        self.keys = _take(self.keys, rows, budget)
+        self.values = _take(self.values, rows, budget)
+        self.positions = _take(self.positions, rows, budget)
+        self.scores = _take(self.scores, rows, budget)
+
+    def _kept_rows(self, budget: int) -> torch.Tensor:
+        """The policy's kept slots as rows of the flattened (batch*heads*slots) storage.
+
+        Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
+        their answer is memoised: in steady state it is one dictionary lookup per layer and step.
+        """
+        batch, heads, slots = self.positions.shape
+        memo_key = (batch, heads, slots)
+        if self.policy.band() is not None and memo_key in self._rows_memo:
+            return self._rows_memo[memo_key]
         keep = self.policy.keep(self.positions, self.scores if self.policy.needs_scores else None)
-        self.evicted += (self.slots - budget) * keep.shape[0] * keep.shape[1]
-        self.keys = _take(self.keys, keep)
-        self.values = _take(self.values, keep)
-        self.positions = self.positions.gather(-1, keep)
-        self.scores = self.scores.gather(-1, keep)
+        offsets = torch.arange(batch * heads, device=keep.device).view(batch, heads, 1) * slots
+        rows = (keep + offsets).reshape(-1)
+        if self.policy.band() is not None:
+            self._rows_memo[memo_key] = rows
+        return rows
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.slots + query_length, 0
@@ -106,8 +124,10 @@ class StreamingLayer(CacheLayerMixin):
             self.device = self.keys.device
 
 
-def _take(x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    return x.gather(-2, keep.unsqueeze(-1).expand(*keep.shape, x.shape[-1]))
+def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
+    """x (batch, heads, slots, *rest) at the kept slots. index_select on a flat view: CPU gather is ~10x slower."""
+    batch, heads, slots = x.shape[:3]
+    return x.reshape(batch * heads * slots, *x.shape[3:]).index_select(0, rows).view(batch, heads, kept, *x.shape[3:])
 
 
 class StreamingCache(Cache):

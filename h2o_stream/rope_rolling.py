@@ -22,11 +22,6 @@ ROTATE_HALF_FAMILIES = frozenset({
 })
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RopeRoller:
     """cos/sin for slot positions, and the rotation and exact un-rotation of keys.
 
@@ -38,7 +33,7 @@ class RopeRoller:
     def __init__(self, rotary: nn.Module, head_dim: int):
         self.rotary = rotary
         self.head_dim = head_dim
-        self._tables: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._tables: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
 
     @classmethod
     def for_model(cls, model: nn.Module) -> RopeRoller:
@@ -53,8 +48,13 @@ class RopeRoller:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         return cls(rotary, head_dim)
 
-    def table(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(cos, sin, 1/(cos²+sin²)) for positions 0..length-1, each (length, rotary_dim), float32."""
+    def table(self, length: int, device: torch.device) -> dict[str, torch.Tensor]:
+        """Per-position factors for positions 0..length-1, each (length, rotary_dim), float32.
+
+        rotate(x) = x*cos + roll(x)*sin_rh, where roll(x) swaps the two halves and sin_rh carries rotate_half's sign;
+        unrotate uses ucos/usin_rh, the same with -sin and divided by cos²+sin² (the square of the model's attention
+        scaling factor, 1 for plain RoPE), which makes it the exact inverse of the model's scaled rotation.
+        """
         key = (length, device)
         if key not in self._tables:
             if len(self._tables) > 8:
@@ -64,35 +64,37 @@ class RopeRoller:
             with torch.no_grad():
                 cos, sin = self.rotary(probe, positions)
             cos, sin = cos[0].float(), sin[0].float()
-            # cos²+sin² is the square of the model's attention scaling factor (1 for plain RoPE); dividing by it
-            # makes the un-rotation the exact inverse of the model's scaled rotation.
-            self._tables[key] = (cos, sin, 1.0 / (cos * cos + sin * sin))
+            half = cos.shape[-1] // 2
+            sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
+            inv_norm = 1.0 / (cos * cos + sin * sin)
+            self._tables[key] = {"cos": cos, "sin_rh": sin * sign, "ucos": cos * inv_norm,
+                                 "usin_rh": -sin * sign * inv_norm}
         return self._tables[key]
 
     def rotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """x (..., L, head_dim) rotated to positions start..stop-1 (L = stop - start)."""
-        cos, sin, _ = self.table(stop, x.device)
-        return _apply(x, cos[start:stop], sin[start:stop], scale=None)
+        t = self.table(stop, x.device)
+        return _apply(x, t["cos"][start:stop], t["sin_rh"][start:stop])
 
     def unrotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Inverse of the model's rotation of x at positions start..stop-1."""
-        cos, sin, inv_norm = self.table(stop, x.device)
-        return _apply(x, cos[start:stop], -sin[start:stop], scale=inv_norm[start:stop])
+        t = self.table(stop, x.device)
+        return _apply(x, t["ucos"][start:stop], t["usin_rh"][start:stop])
 
     def rotate_by(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool, length: int) -> torch.Tensor:
         """x (..., L, head_dim) rotated (or un-rotated) by per-row positions (L,), each < length."""
-        cos, sin, inv_norm = self.table(length, x.device)
-        cos, sin, inv_norm = cos[positions], sin[positions], inv_norm[positions]
-        return _apply(x, cos, -sin if inverse else sin, scale=inv_norm if inverse else None)
+        t = self.table(length, x.device)
+        cos, sin_rh = (t["ucos"], t["usin_rh"]) if inverse else (t["cos"], t["sin_rh"])
+        return _apply(x, cos[positions], sin_rh[positions])
 
 
-def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+def _apply(x: torch.Tensor, cos: torch.Tensor, sin_rh: torch.Tensor) -> torch.Tensor:
     rotary_dim = cos.shape[-1]
-    x_rot = x[..., :rotary_dim].float()
-    out = x_rot * cos + rotate_half(x_rot) * sin
-    if scale is not None:
-        out = out * scale
-    out = out.to(x.dtype)
-    if rotary_dim == x.shape[-1]:
-        return out
-    return torch.cat((out, x[..., rotary_dim:]), dim=-1)
+    partial = rotary_dim != x.shape[-1]
+    x_rot = x[..., :rotary_dim] if partial else x
+    if x_rot.dtype != torch.float32:
+        x_rot = x_rot.float()
+    out = torch.addcmul(x_rot * cos, x_rot.roll(rotary_dim // 2, dims=-1), sin_rh)
+    if out.dtype != x.dtype:
+        out = out.to(x.dtype)
+    return torch.cat((out, x[..., rotary_dim:]), dim=-1) if partial else out

@@ -49,10 +49,12 @@ def test_keys_in_use_match_a_fresh_rotation_after_long_rolling(family, steps):
 def test_rolling_follows_attention_scaling_of_the_rope_type():
     model = tiny_model("llama_yarn")
     roller = RopeRoller.for_model(model)
-    cos, sin, inv_norm = roller.table(8, torch.device("cpu"))
+    table = roller.table(8, torch.device("cpu"))
     scaling = model.model.rotary_emb.attention_scaling
     assert scaling != 1.0
-    assert torch.allclose(inv_norm, torch.full_like(inv_norm, 1 / scaling**2), rtol=1e-5)
+    assert torch.allclose(table["ucos"] * scaling**2, table["cos"], rtol=1e-5)
+    x = torch.randn(1, 2, 8, 16)
+    assert torch.allclose(roller.unrotate(roller.rotate(x, 0, 8), 0, 8), x, atol=1e-6)
 
 
 def test_unrotate_inverts_the_models_rotation_with_partial_rotary():

@@ -1,0 +1,75 @@
+"""Exact (token-by-token) mode vs transformers' DynamicCache decode at the same cache length.
+
+Both decode one token per forward over a cache of `--cache-size` entries on the default model. Blocks of
+`--block` timed steps alternate between the contenders (the machine is noisy; alternation spreads the noise evenly).
+The DynamicCache is refilled to exactly cache-size tokens before each of its blocks, so it attends over
+cache-size..cache-size+block keys; ours over cache-size+1 every step.
+
+    python eval/bench_exact.py --threads 2 --out eval/results/bench_exact.json
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import click
+import torch
+from common import environment, setup, write_json
+from transformers import DynamicCache
+
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.models import load_model
+
+
+@click.command()
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--block", default=16, show_default=True, help="Timed decode steps per block.")
+@click.option("--rounds", default=8, show_default=True, help="Blocks per contender.")
+@click.option("--policies", default="h2o,sink,window,full", show_default=True)
+@click.option("--threads", default=2, show_default=True)
+@click.option("--out", default="eval/results/bench_exact.json", show_default=True)
+def main(cache_size, block, rounds, policies, threads, out):
+    setup(threads)
+    loaded = load_model(None)
+    model = loaded.model
+    generator = torch.Generator().manual_seed(0)
+    stream = torch.randint(100, model.config.vocab_size - 100, (1, cache_size + rounds * block + 1),
+                           generator=generator)
+    names = ["dynamic"] + policies.split(",")
+    caches = {}
+    for name in names[1:]:
+        budget = None if name == "full" else cache_size
+        caches[name] = StreamingCache(model, make_policy(name, budget))
+        with torch.no_grad():
+            model(stream[:, :cache_size], cache=caches[name])
+    per_token = {name: [] for name in names}
+    with torch.no_grad():
+        for r in range(rounds):
+            for name in names:
+                if name == "dynamic":
+                    cache = DynamicCache(config=model.config)
+                    model(stream[:, :cache_size], cache=cache)
+                else:
+                    cache = caches[name]
+                    if name == "full":  # keep full at the same length too: refill
+                        cache = caches[name] = StreamingCache(model, make_policy("full"))
+                        model(stream[:, :cache_size], cache=cache)
+                steps = stream[:, cache_size + r * block: cache_size + (r + 1) * block]
+                started = time.perf_counter()
+                for i in range(block):
+                    model(steps[:, i:i + 1], cache=cache)
+                per_token[name].append((time.perf_counter() - started) / block)
+    median = {name: statistics.median(v) for name, v in per_token.items()}
+    ratios = {name: median[name] / median["dynamic"] for name in names[1:]}
+    for name in names:
+        extra = f"  ratio vs DynamicCache {ratios[name]:.3f}x" if name in ratios else ""
+        print(f"{name:8s} {median[name] * 1000:7.2f} ms/token{extra}")
+    write_json(out, {"benchmark": "exact-mode decode vs DynamicCache", "model": loaded.name,
+                     "cache_size": cache_size, "block": block, "rounds": rounds, "environment": environment(),
+                     "median_seconds_per_token": median, "ratio_vs_dynamic": ratios,
+                     "per_block_seconds_per_token": per_token, "target_ratio": 1.25})
+
+
+if __name__ == "__main__":
+    main()
