@@ -57,7 +57,8 @@ class PerplexityRun:
     """Feeds a token stream through a StreamingCache in chunks and accumulates the NLL of every prediction."""
 
     def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int = 64, rolling: bool = True,
-                 curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None):
+                 curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None,
+                 record_tokens: bool = False):
         if chunk_size < 1:
             raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
         self.model = model
@@ -83,6 +84,7 @@ class PerplexityRun:
         self.rss_samples: list[tuple[int, int]] = []
         self.peak_rss = 0
         self.seconds = 0.0
+        self.token_nll: list[torch.Tensor] | None = [] if record_tokens else None  # per-token NLLs, for tests
 
     # -- feeding -------------------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -96,6 +98,8 @@ class PerplexityRun:
         else:
             predictors, targets = torch.cat([self.pending.unsqueeze(0), logits[:-1]]), ids
         nll = torch.nn.functional.cross_entropy(predictors, targets, reduction="none")
+        if self.token_nll is not None:
+            self.token_nll.append(nll.cpu())
         before = self.predicted
         self.nll_sum += nll.double().sum()
         self.predicted += targets.numel()

@@ -43,3 +43,25 @@ def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None =
 def random_ids(length: int, *, seed: int = 1) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(2, VOCAB, (1, length), generator=generator)
+
+
+def char_tokenizer():
+    """A character-level tokenizer over printable ASCII with a BOS it adds itself (ids fit VOCAB)."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers, processors
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)] + ["\n"]
+    vocab = {"<s>": 0, "</s>": 1, "<unk>": 2, **{ch: i + 3 for i, ch in enumerate(chars[: VOCAB - 3])}}
+    backend = Tokenizer(WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def save_tiny_model_dir(path, family: str = "llama", **overrides):
+    """A tiny model + char tokenizer saved as a local model directory, loadable with --model PATH."""
+    model = tiny_model(family, **overrides)
+    model.save_pretrained(path)
+    char_tokenizer().save_pretrained(path)
+    return path

@@ -1,0 +1,230 @@
+"""Streaming perplexity: chunked vs exact, stream accounting, checkpoint/resume (also after SIGKILL), bad inputs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_model
+
+from h2o_stream import make_policy, stream_perplexity
+from h2o_stream.cli import main
+from h2o_stream.perplexity import PerplexityRun, token_pieces
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+
+
+def token_nlls(model, policy, ids, chunk_size):
+    run = PerplexityRun(model, policy, chunk_size=chunk_size, record_tokens=True)
+    run.run(token_pieces(ids))
+    return torch.cat(run.token_nll)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "llama_yarn", "mistral"])
+@pytest.mark.parametrize("policy", ["sink", "window"])
+@pytest.mark.parametrize("chunk", [5, 32])
+def test_chunked_band_policies_equal_exact_mode_per_token(family, policy, chunk):
+    model = tiny_model(family, init_std=0.2)
+    ids = random_ids(260)[0]
+    spec = make_policy(policy, 24)
+    exact = token_nlls(model, spec, ids, 1)
+    chunked = token_nlls(model, spec, ids, chunk)
+    assert exact.shape == chunked.shape == (259,)
+    assert torch.allclose(chunked, exact, atol=1e-4, rtol=0), (chunked - exact).abs().max()
+
+
+def test_chunked_h2o_differs_from_exact_but_stays_close():
+    """Chunked H2O attends over budget + chunk keys and decides once per chunk: not equal, measured in eval/."""
+    model = tiny_model("llama", init_std=0.2)
+    ids = random_ids(300)[0]
+    spec = make_policy("h2o", 24)
+    exact, chunked = token_nlls(model, spec, ids, 1), token_nlls(model, spec, ids, 16)
+    assert not torch.allclose(exact, chunked, atol=1e-4)
+    assert abs(exact.mean() - chunked.mean()) < 0.1 * exact.mean()
+
+
+def test_full_policy_matches_one_plain_forward():
+    model = tiny_model("qwen2")
+    ids = random_ids(200)
+    expected = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="sum")
+    result = stream_perplexity(model, None, ids[0], policy="full", chunk_size=48)
+    assert result.predicted == 199 and result.tokens_fed == 200
+    assert result.nll_sum == pytest.approx(expected.item(), rel=1e-5)
+
+
+def test_books_are_concatenated_or_reset():
+    model, tokenizer = tiny_model("llama"), char_tokenizer()
+    books = ["first book " * 20, "second book " * 20]
+    lengths = [len(tokenizer(b)["input_ids"]) for b in books]
+    joined = stream_perplexity(model, tokenizer, books, policy="sink", cache_size=16, chunk_size=8)
+    assert joined.predicted == sum(lengths) - 1  # every token but the stream's first
+    reset = stream_perplexity(model, tokenizer, books, policy="sink", cache_size=16, chunk_size=8,
+                              reset_per_book=True)
+    assert reset.predicted == sum(lengths) - 2  # every token but each book's first
+    alone = [stream_perplexity(model, tokenizer, [b], policy="sink", cache_size=16, chunk_size=8) for b in books]
+    assert reset.nll_sum == pytest.approx(sum(r.nll_sum for r in alone), rel=1e-6)
+
+
+@pytest.mark.parametrize("reset_per_book", [False, True])
+def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book):
+    model, tokenizer = tiny_model("llama", init_std=0.2), char_tokenizer()
+    books = [TEXT[:700], TEXT[:333], TEXT[:900]]
+    pieces = lambda: token_pieces(books, tokenizer)  # noqa: E731
+    make = lambda: PerplexityRun(model, make_policy("h2o", 24), chunk_size=16,  # noqa: E731
+                                 reset_per_book=reset_per_book, curve_every=100)
+    whole = make()
+    whole.run(pieces())
+    first, saved = make(), []
+
+    def checkpoint_then_die(run):
+        run.save(tmp_path / "c.ckpt")
+        saved.append(run.position)
+        if len(saved) == 70:  # mid-stream, in the third book
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        first.run(pieces(), checkpoint=checkpoint_then_die)
+    resumed = make()
+    resumed.load(tmp_path / "c.ckpt")
+    assert resumed.position == saved[-1] > 1035
+    resumed.run(pieces())
+    assert resumed.nll_sum.item() == whole.nll_sum.item()
+    assert resumed.predicted == whole.predicted and resumed.curve == whole.curve
+
+
+# -- the CLI ------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), init_std=0.2)
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    rows = [{"short_book_title": f"Book {i}", "text": TEXT[i * 50:]} for i in range(3)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def run_cli(args, capsys):
+    try:
+        main(["ppl", *map(str, args)])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_ppl_command_writes_results_plot_and_table(model_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "out"
+    code, stdout, stderr = run_cli(["--model", model_dir, "--data", corpus, "--tokens", 2000, "--policy", "h2o,sink",
+                                    "--cache-size", "16,32", "--chunk-size", 16, "--out", out], capsys)
+    assert code == 0, stderr
+    assert "h2o(heavy=8, recent=8)" in stderr and "sink(sinks=4, recent=12)" in stderr
+    for name in ("h2o-16", "h2o-32", "sink-16", "sink-32"):
+        result = json.loads((out / f"{name}.json").read_text())
+        assert result["tokens_fed"] == 2000 and result["predicted_tokens"] == 1999
+        assert result["ppl"] == pytest.approx(2.718281828 ** result["mean_nll"])
+        assert result["curve"][-1][0] == 1999
+    assert (out / "ppl.png").stat().st_size > 10_000
+    assert stdout.count("\n") >= 6 and "sink" in stdout
+
+
+def test_more_tokens_than_the_corpus_runs_what_there_is(model_dir, corpus, tmp_path, capsys):
+    code, _, stderr = run_cli(["--model", model_dir, "--data", corpus, "--tokens", 10**7, "--policy", "sink",
+                               "--cache-size", 16, "--chunk-size", 64, "--out", tmp_path / "o"], capsys)
+    assert code == 0
+    result = json.loads((tmp_path / "o" / "sink-16.json").read_text())
+    assert result["corpus_exhausted"] and "the corpus has only" in stderr
+    assert result["tokens_fed"] == sum(len(TEXT[i * 50:]) + 1 for i in range(3))
+
+
+def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(model_dir, corpus, tmp_path):
+    args = ["--model", model_dir, "--data", corpus, "--tokens", 6000, "--policy", "h2o", "--cache-size", 16,
+            "--chunk-size", 8, "--checkpoint-every", 64]
+    command = [sys.executable, "-m", "h2o_stream", "ppl", *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    subprocess.run([*command, "--out", tmp_path / "whole"], check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    process = subprocess.Popen([*command, "--out", killed], env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    checkpoint = killed / "h2o-16.ckpt"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (checkpoint.exists() and checkpoint.stat().st_mtime_ns):
+        time.sleep(0.05)
+    time.sleep(0.3)  # let it get further, to kill it mid-stream
+    process.send_signal(signal.SIGKILL)
+    process.wait()
+    assert not (killed / "h2o-16.json").exists(), "the run finished before it could be killed"
+    subprocess.run([*command, "--out", killed, "--resume"], check=True, env=env, capture_output=True)
+
+    whole = json.loads((tmp_path / "whole" / "h2o-16.json").read_text())
+    resumed = json.loads((killed / "h2o-16.json").read_text())
+    assert resumed["nll_sum"] == whole["nll_sum"] and resumed["predicted_tokens"] == whole["predicted_tokens"]
+
+
+def _error(args, capsys):
+    code, _, stderr = run_cli(args, capsys)
+    assert code == 2, stderr
+    last = stderr.strip().splitlines()[-1]  # progress lines may come first; the error is one line, no traceback
+    assert last.startswith("Error: ") and "Traceback" not in stderr, stderr
+    return last
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b"\x00\x01\x02binary\xff", "not UTF-8"),
+    (b'{"short_book_title": "x", "body": "no text field"}\n', "text"),
+])
+def test_bad_corpus_files(model_dir, tmp_path, capsys, content, message):
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(content)
+    assert message in _error(["--model", model_dir, "--data", path, "--out", tmp_path / "o"], capsys)
+    assert not (tmp_path / "o").exists()
+
+
+def test_directory_without_usable_files(model_dir, tmp_path, capsys):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "notes.csv").write_text("a,b")
+    assert "no usable files" in _error(["--model", model_dir, "--data", tmp_path / "d"], capsys)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--tokens", 0], "--tokens"),
+    (["--cache-size", 0], "cache size"),
+    (["--cache-size", "16", "--recent", 20], "cannot exceed"),
+    (["--policy", "lru"], "unknown policy"),
+    (["--sinks", -1, "--policy", "sink"], "sinks"),
+    (["--chunk-size", 0], "chunk"),
+    (["--model", "/no/such/model"], "not found"),
+])
+def test_bad_options(model_dir, corpus, tmp_path, capsys, args, message):
+    base = ["--model", model_dir, "--data", corpus, "--out", tmp_path / "o"]
+    assert message in _error(base + args, capsys)
+
+
+def test_resume_refuses_corrupt_or_mismatched_checkpoints_and_overwrites_nothing(model_dir, corpus, tmp_path,
+                                                                                 capsys):
+    out = tmp_path / "o"
+    base = ["--model", model_dir, "--data", corpus, "--tokens", 300, "--policy", "h2o", "--cache-size", 16,
+            "--chunk-size", 8, "--out", out]
+    assert run_cli(base, capsys)[0] == 0
+    assert "--resume" in _error(base, capsys)  # a second run into the same --out without --resume
+    checkpoint = out / "h2o-16.ckpt"
+    before = checkpoint.read_bytes()
+    assert "chunk_size" in _error(base[:-4] + ["--chunk-size", 4, "--out", out, "--resume"], capsys)
+    assert checkpoint.read_bytes() == before
+    checkpoint.write_bytes(b"garbage")
+    assert "corrupt" in _error(base + ["--resume"], capsys)
+    assert checkpoint.read_bytes() == b"garbage"
