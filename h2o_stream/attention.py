@@ -53,17 +53,18 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     # Query head h reads KV head h // group (transformers' repeat_kv); grouping avoids materialising repeated keys.
-    logits = torch.matmul(query.reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2)) * scaling
+    logits = torch.matmul(query.reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2)).mul_(scaling)
     if sink_query is not None:
         sink_logits = torch.matmul(sink_query.reshape(batch, kv_heads, group * q_len, dim),
-                                   key[..., :sinks, :].transpose(-1, -2)) * scaling
+                                   key[..., :sinks, :].transpose(-1, -2)).mul_(scaling)
         logits = torch.cat([sink_logits, logits[..., sinks:]], dim=-1)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     logits = logits.view(batch, kv_heads, group, q_len, k_len)
     if mask is not None:
-        mask = mask.unsqueeze(2)  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
-        logits = logits.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else logits + mask
+        if mask.dtype == torch.bool:  # additive form on the small (q_len, k_len) mask, then one in-place add
+            mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+        logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     received = probs.sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
