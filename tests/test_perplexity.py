@@ -194,6 +194,12 @@ def test_bad_corpus_files(model_dir, tmp_path, capsys, content, message):
     assert not (tmp_path / "o").exists()
 
 
+def test_corrupt_gguf_model(corpus, tmp_path, capsys):
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    assert "GGUF" in _error(["--model", bad, "--data", corpus, "--out", tmp_path / "o"], capsys)
+
+
 def test_directory_without_usable_files(model_dir, tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.csv").write_text("a,b")
