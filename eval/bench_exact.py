@@ -69,7 +69,35 @@ def main(cache_size, block, rounds, policies, threads, out):
                      "cache_size": cache_size, "block": block, "rounds": rounds, "environment": environment(),
                      "median_seconds_per_token": median, "ratio_vs_dynamic": ratios,
                      "per_block_seconds_per_token": per_token, "target_ratio": 1.25})
+    plot(out)
+
+
+def plot(path: str) -> None:
+    import json
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(open(path).read())
+    names = list(report["median_seconds_per_token"])
+    fig, ax = plt.subplots(figsize=(6, 3.4))
+    ax.bar(names, [1000 * report["median_seconds_per_token"][n] for n in names], color="#4c72b0")
+    for i, n in enumerate(names[1:], start=1):
+        ax.text(i, 1000 * report["median_seconds_per_token"][n], f"{report['ratio_vs_dynamic'][n]:.2f}x",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("ms per decoded token (median)")
+    ax.set_title(f"exact mode vs DynamicCache, cache {report['cache_size']} (target <= 1.25x)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path.replace(".json", ".png"), dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
-    main()
+    import sys
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":  # redraw the PNG from a result JSON
+        plot(sys.argv[2])
+    else:
+        main()

@@ -12,7 +12,9 @@
 from __future__ import annotations
 
 import itertools
+import json
 import statistics
+import sys
 import time
 
 import click
@@ -126,7 +128,8 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     policies = list(report["ratio_vs_raw_forward"])
-    fig, axes = plt.subplots(1, 3, figsize=(11, 3.6))
+    has_gap = "ppl_gap" in report
+    fig, axes = plt.subplots(1, 3 if has_gap else 2, figsize=(11 if has_gap else 7.5, 3.6))
     panels = [("ratio_vs_raw_forward", "chunked / raw forward (tok/s)", 0.85),
               ("speedup_vs_exact", "chunked / exact (tok/s)", 15)]
     for ax, (key, title, target) in zip(axes, panels):
@@ -134,12 +137,21 @@ def plot(report: dict, path: str) -> None:
         ax.axhline(target, color="red", linestyle="--", label=f"target {target}")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
+    if not has_gap:
+        _save(fig, report, path)
+        return
     gaps = [100 * report["ppl_gap"][p]["relative_gap"] for p in policies]
     axes[2].bar(policies, gaps, color="#dd8452")
     axes[2].axhline(2, color="red", linestyle="--", label="target ±2%")
     axes[2].axhline(-2, color="red", linestyle="--")
     axes[2].set_title(f"PPL gap chunked vs exact, % ({report['gap_tokens']} tokens)", fontsize=9)
     axes[2].legend(fontsize=8)
+    _save(fig, report, path)
+
+
+def _save(fig, report: dict, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.suptitle(f"{report['model']}, cache {report['cache_size']}, chunk {report['chunk_size']}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -147,4 +159,7 @@ def plot(report: dict, path: str) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":  # redraw the PNG from a result JSON
+        plot(json.loads(open(sys.argv[2]).read()), sys.argv[2].replace(".json", ".png"))
+    else:
+        main()
