@@ -114,7 +114,9 @@ class StreamingLayer(CacheLayerMixin):
         self.seen = self.evicted = 0
 
     def state(self) -> dict:
-        return {k: getattr(self, k) for k in ("keys", "values", "positions", "scores", "seen", "evicted")}
+        """A snapshot (copies: scores are updated in place by later forwards)."""
+        state = {k: getattr(self, k) for k in ("keys", "values", "positions", "scores", "seen", "evicted")}
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def load_state(self, state: dict) -> None:
         for k, v in state.items():

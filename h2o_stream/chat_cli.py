@@ -1,0 +1,276 @@
+"""`h2o-stream chat`: an endless chat REPL whose memory never grows, a thin shell over `ChatSession`.
+
+Interactive (a terminal on stdin): line editing and history (readline), replies stream as they are generated,
+Ctrl-C stops a reply (the session keeps it), Ctrl-D exits. Piped stdin: every line is one turn or command, run one
+after another; replies go to stdout, notes to stderr, and the exit status is 1 if any command failed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+from pathlib import Path
+
+import click
+
+from .chat import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
+from .cli import cache_options, model_options
+from .errors import H2OStreamError
+
+PROMPT = ">>> "
+HISTORY_LINES = 1000
+
+HELP = """Commands:
+  /help          this help
+  /stats         tokens seen, cache occupancy, evictions, speed, memory
+  /reset         forget the conversation (system prompt and settings stay)
+  /save PATH     save the session (cache, scores, counters, settings) to a file
+  /load PATH     resume a saved session (same model), replacing this one
+  /exit          leave (also /quit, or Ctrl-D)
+Anything else is a message to the model; start it with // to send a message that begins with /.
+Ctrl-C stops a reply in progress (what was said so far stays in the session); pressed while a long message is
+still being read, it cancels that message."""
+
+
+@click.command("chat")
+@model_options
+@cache_options("h2o", DEFAULT_CACHE_SIZE)
+@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
+              help="Tokens of a user message per forward pass.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
+              help="Sampling temperature; 0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=0.9, show_default=True,
+              help="Nucleus sampling: sample from the smallest set of tokens with this much probability.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+              help="Longest reply, in tokens.")
+@click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (default: random).")
+@click.option("--system", default=None, help="System prompt, given to the model once at the start.")
+@click.option("--load", "load_path", type=click.Path(dir_okay=False), default=None,
+              help="Resume the session saved in this file (as /load does).")
+def chat(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, sinks, no_rolling, chunk_size,
+         temperature, top_p, max_new_tokens, seed, system, load_path):
+    """Endless chat with a local model in fixed memory.
+
+    The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
+    feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
+    every line is one turn or command."""
+    from .models import load_model
+    from .policies import make_policy
+
+    for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that cannot show a character gets a '?'
+        if hasattr(stream, "reconfigure"):
+            try:
+                stream.reconfigure(errors="replace")
+            except (ValueError, OSError):
+                pass
+    try:
+        size = int(cache_size)
+    except ValueError:
+        raise H2OStreamError(f"--cache-size must be a whole number, got {cache_size!r}") from None
+    eviction = make_policy(policy, None if policy == "full" else size, heavy=heavy, recent=recent, sinks=sinks)
+    sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    interactive = sys.stdin.isatty()
+    _note(f"loading {model_spec or 'the default model'} ...")
+    loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+    session = ChatSession(loaded.model, loaded.tokenizer, policy=eviction, rolling=not no_rolling, system=system,
+                          sampling=sampling, chunk_size=chunk_size, model_name=loaded.name)
+    if session.notice:
+        _note(f"note: {session.notice}")
+    if session.budget is None:
+        _note("note: the full policy never evicts: memory grows with the conversation")
+    if load_path:
+        session.load(load_path)
+        _note(_loaded_summary(session, load_path))
+    _note(f"{loaded.name} | {session.policy.describe()} | "
+          + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin"))
+    failures = Repl(session, interactive=interactive).run()
+    if failures and not interactive:
+        sys.exit(1)
+
+
+class Repl:
+    """Reads lines, runs commands, streams replies. `run()` returns how many commands failed."""
+
+    def __init__(self, session: ChatSession, *, interactive: bool, out=None):
+        self.session = session
+        self.interactive = interactive
+        self.out = out or sys.stdout
+        self.failures = 0
+        self._history_file = None
+
+    # -- input --------------------------------------------------------------------------------------------------------
+
+    def lines(self):
+        if not self.interactive:
+            for line in sys.stdin:
+                yield line.rstrip("\r\n")
+            return
+        self._setup_readline()
+        try:
+            while True:
+                try:
+                    yield input(PROMPT)
+                except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, the session goes on
+                    self.out.write("\n")
+                    _note("(Ctrl-C stops a reply; /exit or Ctrl-D to leave)")
+                except EOFError:  # Ctrl-D
+                    self.out.write("\n")
+                    return
+        finally:
+            self._save_history()
+
+    def _setup_readline(self) -> None:
+        try:
+            import readline
+        except ImportError:  # e.g. Windows without pyreadline: plain input() still works
+            return
+        path = os.environ.get("H2O_STREAM_CHAT_HISTORY")
+        if path is None:
+            from .models import cache_dir
+
+            path = str(cache_dir() / "chat_history")
+        if not path:  # H2O_STREAM_CHAT_HISTORY="" turns the history file off
+            return
+        self._history_file = Path(path).expanduser()
+        try:
+            readline.read_history_file(self._history_file)
+        except OSError:
+            pass
+        readline.set_history_length(HISTORY_LINES)
+
+    def _save_history(self) -> None:
+        if self._history_file is None:
+            return
+        try:
+            import readline
+
+            self._history_file.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(self._history_file)
+        except (ImportError, OSError):
+            pass
+
+    # -- the loop -----------------------------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for line in self.lines():
+            text = line.strip()
+            if not text:
+                continue  # an empty line is no message
+            if text.startswith("/") and not text.startswith("//"):
+                if not self.command(text):
+                    break
+                continue
+            self.turn(text[1:] if text.startswith("//") else line)
+        return self.failures
+
+    def command(self, text: str) -> bool:
+        """Run a /command; False means leave."""
+        name, _, argument = text.partition(" ")
+        name, argument = name.lower(), argument.strip()
+        try:
+            if name in ("/exit", "/quit"):
+                return False
+            if name == "/help":
+                self.say(HELP)
+            elif name == "/stats":
+                self.say(format_stats(self.session.stats()))
+            elif name == "/reset":
+                turns = self.session.turns
+                self.session.reset()
+                self.say(f"session reset: {turns} turn(s) forgotten, cache empty")
+            elif name in ("/save", "/load"):
+                if not argument:
+                    raise H2OStreamError(f"{name} needs a file name: {name} PATH")
+                if name == "/save":
+                    path = self.session.save(argument)
+                    self.say(f"saved the session (turn {self.session.turns}, {_size(path.stat().st_size)}) "
+                             f"to {path}")
+                else:
+                    self.session.load(argument)
+                    self.say(_loaded_summary(self.session, argument))
+            else:
+                raise H2OStreamError(f"unknown command {name}; type /help for the list "
+                                     "(start a message with // to send a message that begins with /)")
+        except H2OStreamError as error:
+            self.failures += 1
+            _note(f"Error: {error}")
+        return True
+
+    def turn(self, text: str) -> None:
+        stop = threading.Event()
+        previous = None
+        if threading.current_thread() is threading.main_thread():
+            previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+        try:
+            for delta in self.session.send(text, should_stop=stop.is_set):
+                self.out.write(delta)
+                self.out.flush()
+        except Exception as error:  # H2OStreamError, or anything from the model: the session is restored
+            self.failures += 1
+            self.out.write("\n")
+            what = str(error) if isinstance(error, H2OStreamError) else f"{type(error).__name__}: {error}"
+            _note(f"Error: {what} (the session is as it was before this message)")
+            return
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous)
+        result = self.session.last_turn
+        self.out.write("\n")
+        self.out.flush()
+        if result.stop_reason == "interrupted":
+            _note(f"[stopped after {result.generated_tokens} tokens; the reply so far stays in the session]")
+        elif result.stop_reason == "cancelled":
+            _note("[cancelled while reading the message; the session is as it was before it]")
+        elif result.stop_reason == "length":
+            _note(f"[reply cut at --max-new-tokens {self.session.sampling.max_new_tokens}]")
+        if self.interactive:
+            self.out.write("\n")
+
+    def say(self, text: str) -> None:
+        self.out.write(text + "\n")
+        self.out.flush()
+
+
+def format_stats(stats: dict) -> str:
+    budget = stats["cache_budget"]
+    occupancy = f"{stats['cache_slots']}/{budget if budget is not None else 'unbounded'}"
+    return "\n".join([
+        f"turns:           {stats['turns']}",
+        f"tokens seen:     {stats['tokens_seen']} (prompt {stats['prompt_tokens']}, "
+        f"generated {stats['generated_tokens']})",
+        f"cache occupancy: {occupancy} entries per layer and KV head, {stats['policy']}, "
+        f"{_size(stats['cache_bytes'])}",
+        f"evictions:       {stats['evicted']} entries (all layers and KV heads)",
+        f"speed:           last reply {stats['last_tokens_per_second']:.1f} tok/s, its prompt "
+        f"{stats['last_prompt_tokens_per_second']:.0f} tok/s; session {stats['tokens_per_second']:.1f} tok/s",
+        f"memory:          RSS {_size(stats['rss_bytes'])}",
+    ])
+
+
+def _loaded_summary(session: ChatSession, path) -> str:
+    stats = session.stats()
+    sampling = session.sampling
+    text = (f"resumed the session from {path}: {stats['turns']} turn(s), {stats['tokens_seen']} tokens seen, "
+            f"{stats['policy']}, temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, "
+            f"max-new-tokens {sampling.max_new_tokens}")
+    if session.system:
+        text += f", system prompt {_clip(session.system)!r}"
+    recent = session.recent_messages
+    if recent:
+        text += f"\nlast reply: {_clip(recent[-1]['content'], 200)}"
+    return text
+
+
+def _clip(text: str, limit: int = 60) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _size(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def _note(text: str) -> None:
+    click.echo(text, err=True)
