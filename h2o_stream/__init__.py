@@ -5,6 +5,7 @@ from .cache import StreamingCache
 from .errors import H2OStreamError
 from .perplexity import PerplexityResult, stream_perplexity
 from .policies import POLICIES, EvictionPolicy, make_policy, register
+from .summarize import SummaryResult, summarize
 
 __all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "PerplexityResult", "StreamingCache", "attach", "make_policy",
-           "register", "stream_perplexity"]
+           "register", "stream_perplexity", "SummaryResult", "summarize"]

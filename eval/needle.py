@@ -1,0 +1,388 @@
+"""Passkey (needle) retrieval through a fixed-size KV cache: what does the model keep from far back?
+
+A random five-digit passkey sentence ("The secret passkey is 48213. Remember it.") is inserted at a chosen depth into
+Gutenberg filler text (from the local corpus) of 4x-64x the cache size; the model reads the document through the
+cache and is then asked "What is the secret passkey?" with the answer primed ("The secret passkey is"); it decodes a
+few tokens greedily and a cell scores 1 if the first number it writes is the passkey, digit for digit.
+
+Variants, all with the same budget of B KV entries per layer and KV head:
+- h2o, sink (StreamingLLM), and window (sliding window, streamed): the whole document streams through the cache;
+- truncation: the model only ever sees the last tokens: prompt + the document's last tokens + question = B tokens
+  (a fresh cache, nothing evicted before the question; `window` B during the few generated tokens);
+- full (optional, reference): no eviction, only where the document fits in the model's context.
+
+Cost saving: the cells of one (variant, trial) share reads: the filler is read once; at each needle position a copy of
+the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
+cell's chunks are `chunk` tokens counted from the filler's start and from its needle, cut short at branch points; for
+sink and window chunking does not change the numbers (banded mask), for h2o it moves eviction decisions slightly.
+The prompt is the library's (`h2o_stream.summarize.build_prompt`): chat template, document in the user turn, question
+last.
+
+    # the committed run (trial 1 was skipped: one trial took 20 min on one core of the shared 2-core machine)
+    flock /tmp/h2o-heavy.lock python eval/needle.py --policies h2o,sink,truncation,full --trials 2 --threads 1 \
+        --budget-minutes 20
+    python eval/needle.py --lengths 1024 --depths 0,1 --trials 1 --policies h2o,truncation --no-write   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from h2o_stream import StreamingCache
+from h2o_stream.stream import feed
+from h2o_stream.summarize import Reader, build_prompt, encode
+
+CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
+RESULTS = Path(__file__).parent / "results"
+NEEDLE = "The secret passkey is {key}. Remember it."
+QUESTION = "What is the secret passkey?"
+PRIMER = "The secret passkey is"
+STREAMED = ("h2o", "sink", "window", "full")
+VARIANTS = STREAMED + ("truncation",)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="model spec for load_model (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--cache-size", type=int, default=256)
+    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="filler lengths in tokens")
+    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 = start, 1 = end")
+    parser.add_argument("--policies", default="h2o,sink,truncation", help=f"any of {','.join(VARIANTS)}")
+    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes",
+                        help="filler book per trial (titles from the corpus, cycled)")
+    parser.add_argument("--seed", type=int, default=1919)
+    parser.add_argument("--new-tokens", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1)")
+    parser.add_argument("--budget-minutes", type=float, default=None,
+                        help="start another trial only if it should finish within this many minutes in all")
+    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--out", type=Path, default=RESULTS / "needle", help="writes OUT.json and OUT.png")
+    parser.add_argument("--no-write", action="store_true", help="print the table only")
+    return parser.parse_args(argv)
+
+
+# --- the haystack ------------------------------------------------------------------------------------------------
+
+
+def make_trial(tokenizer, corpus: Path, title: str, rng: random.Random, max_tokens: int) -> dict:
+    """Filler token ids made of whole sentences, the sentence boundaries (token offsets), and a passkey."""
+    book = None
+    with open(corpus, encoding="utf-8") as lines:
+        for line in lines:
+            row = json.loads(line)
+            if row["short_book_title"] == title:
+                book = row["text"]
+                break
+    if book is None:
+        raise SystemExit(f"no book {title!r} in {corpus}")
+    start = int(len(book) * rng.uniform(0.1, 0.4))
+    text = " ".join(book[start:start + max_tokens * 7].split())  # ~4 characters a token: plenty
+    sentences = re.split(r"(?<=[.!?])\s+", text)[1:]  # drop the first, probably cut mid-sentence
+    pieces = tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
+    ids, boundaries = [], [0]
+    for piece in pieces:
+        if len(ids) >= max_tokens:
+            break
+        ids.extend(piece)
+        boundaries.append(len(ids))
+    if len(ids) < max_tokens:
+        raise SystemExit(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need {max_tokens}")
+    return {"book": title, "char_offset": start, "passkey": rng.randint(10000, 99999), "filler": ids,
+            "boundaries": boundaries}
+
+
+def place(boundaries: list[int], length: int, depth: float) -> tuple[int, int]:
+    """(cut, needle position) in filler tokens: the document is filler[:cut] with the needle inserted at `ins`; both
+    are the last sentence boundary at or before length and depth * length (so cells that share a needle position
+    share their reads)."""
+    cut = max(b for b in boundaries if b <= length)
+    ins = max(b for b in boundaries if b <= depth * length)
+    return cut, ins
+
+
+def score(answer: str, passkey: int) -> int:
+    match = re.search(r"\d+", answer)
+    return int(match is not None and match.group() == str(passkey))
+
+
+# --- runs --------------------------------------------------------------------------------------------------------
+
+
+def clone_state(state):
+    if isinstance(state, torch.Tensor):
+        return state.clone()
+    if isinstance(state, dict):
+        return {k: clone_state(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [clone_state(v) for v in state]
+    return state
+
+
+def fork(model, policy, cache: StreamingCache) -> StreamingCache:
+    copy = StreamingCache(model, policy)
+    copy.load_state(clone_state(cache.state()))
+    return copy
+
+
+def read_segments(model, cache, ids: list[int], stops: list[int], chunk: int, on_stop) -> None:
+    """Feed `ids` in chunks of `chunk` (counted from its start) that also end at every position in `stops`;
+    call on_stop(position) there."""
+    stops = sorted(set(stops))
+    if stops[0] == 0:
+        on_stop(0)
+    bounds = sorted(set(range(0, stops[-1], chunk)) | set(stops) | {0})
+    for a, b in zip(bounds, bounds[1:]):
+        feed(model, cache, torch.tensor([ids[a:b]]), chunk)
+        if b in stops:
+            on_stop(b)
+
+
+def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict], args, prompt, needle_ids) -> list:
+    """All cells of one trial for a streamed variant, as a tree of shared reads: the filler is read once; at each
+    needle position a branch (a copy of the cache) reads the needle and the filler after it; at each document end on
+    that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
+    reader = Reader(model, tokenizer, policy=variant, cache_size=None if variant == "full" else args.cache_size,
+                    chunk_size=args.chunk_size)
+    filler, chunk = trial["filler"], args.chunk_size
+    context = model.config.max_position_embeddings
+    out, runnable = [], []
+    for cell in cells:
+        total = len(prompt.prefix) + cell["cut"] + len(needle_ids) + len(prompt.suffix) + args.new_tokens
+        if variant == "full" and total > context:
+            out.append({**cell, "correct": None, "answer": None, "skipped": f"{total} tokens > context {context}"})
+        else:
+            runnable.append(cell)
+    if not runnable:
+        return out
+    by_ins: dict[int, list[dict]] = {}
+    for cell in runnable:
+        by_ins.setdefault(cell["ins"], []).append(cell)
+
+    def ask(branch, cell) -> None:
+        began = time.perf_counter()
+        cache = fork(model, reader.policy, branch)
+        logits = reader.read(cache, prompt.suffix)
+        answer = reader.generate(cache, logits, args.new_tokens)
+        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
+                    "evicted": cache.evicted, "seconds_answer": round(time.perf_counter() - began, 2)})
+        print(f"  {variant:10s} trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
+              f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
+
+    def branch_at(p: int) -> None:
+        branch = fork(model, reader.policy, base)
+        ids = needle_ids + filler[p:max(c["cut"] for c in by_ins[p])]
+        groups: dict[int, list[dict]] = {}
+        for c in by_ins[p]:
+            groups.setdefault(c["cut"] - p + len(needle_ids), []).append(c)
+        read_segments(model, branch, ids, list(groups), chunk,
+                      lambda end: [ask(branch, c) for c in groups[end]])
+
+    base = reader.new_cache()
+    reader.read(base, prompt.prefix)
+    read_segments(model, base, filler, sorted(by_ins), chunk, branch_at)
+    return out
+
+
+def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, prompt, needle_ids) -> list:
+    """The model sees the prompt, the document's last tokens and the question: B tokens in all."""
+    reader = Reader(model, tokenizer, policy="window", cache_size=args.cache_size, chunk_size=args.chunk_size)
+    keep = args.cache_size - len(prompt.prefix) - len(prompt.suffix)
+    if keep <= 0:
+        raise SystemExit(f"cache size {args.cache_size} leaves no room for the document after the prompt")
+    out = []
+    for cell in cells:
+        filler, p, cut = trial["filler"], cell["ins"], cell["cut"]
+        document = filler[:p] + needle_ids + filler[p:cut]
+        tail = document[-keep:]
+        cache = reader.new_cache()
+        logits = reader.read(cache, prompt.prefix + tail + prompt.suffix)
+        answer = reader.generate(cache, logits, args.new_tokens)
+        needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
+        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]), "needle_in_input": needle_seen,
+                    "evicted": cache.evicted})
+        print(f"  truncation trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
+              f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
+    return out
+
+
+# --- reporting ---------------------------------------------------------------------------------------------------
+
+
+def accuracy_grid(results, variant, lengths, depths):
+    grid = {}
+    for length in lengths:
+        for depth in depths:
+            scores = [r["correct"] for r in results
+                      if r["variant"] == variant and r["length"] == length and r["depth"] == depth]
+            scores = [s for s in scores if s is not None]
+            grid[(length, depth)] = sum(scores) / len(scores) if scores else None
+    return grid
+
+
+def table(results, variants, lengths, depths, budget) -> str:
+    head = f"{'variant':10s} {'depth':>5s} " + " ".join(f"{f'{n}({n // budget}x)':>11s}" for n in lengths) + "   mean"
+    lines = [head, "-" * len(head)]
+    for variant in variants:
+        grid = accuracy_grid(results, variant, lengths, depths)
+        for depth in depths:
+            row = [grid[(n, depth)] for n in lengths]
+            cells = " ".join(f"{'n/a' if v is None else f'{v:.2f}':>11s}" for v in row)
+            valid = [v for v in row if v is not None]
+            mean = f"{sum(valid) / len(valid):.2f}" if valid else "n/a"
+            lines.append(f"{variant:10s} {depth:5.2f} {cells}   {mean}")
+        col = [[grid[(n, d)] for d in depths] for n in lengths]
+        means = [(sum(v for v in c if v is not None) / len([v for v in c if v is not None]))
+                 if any(v is not None for v in c) else None for c in col]
+        lines.append(f"{variant:10s} {'all':>5s} " + " ".join(f"{'n/a' if v is None else f'{v:.2f}':>11s}"
+                                                             for v in means))
+        lines.append("")
+    return "\n".join(lines)
+
+
+def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    fig, axes = plt.subplots(1, len(variants), figsize=(3.3 * len(variants) + 1, 3.6), squeeze=False)
+    cmap = plt.get_cmap("RdYlGn").copy()
+    cmap.set_bad("#cccccc")
+    image = None
+    for ax, variant in zip(axes[0], variants):
+        grid = accuracy_grid(results, variant, lengths, depths)
+        data = np.array([[np.nan if grid[(n, d)] is None else grid[(n, d)] for n in lengths] for d in depths])
+        image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=1, aspect="auto")
+        for i in range(len(depths)):
+            for j in range(len(lengths)):
+                ax.text(j, i, "n/a" if np.isnan(data[i, j]) else f"{data[i, j]:.1f}", ha="center", va="center",
+                        fontsize=8)
+        ax.set_xticks(range(len(lengths)), [f"{n // 1024}k\n{n // budget}x" if n >= 1024 else str(n)
+                                            for n in lengths], fontsize=8)
+        ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
+        ax.set_xlabel("document length (tokens, x cache)", fontsize=8)
+        ax.set_title(variant, fontsize=10)
+    axes[0][0].set_ylabel("needle depth", fontsize=8)
+    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, label="passkey accuracy")
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=130, bbox_inches="tight")
+    plt.close(fig)
+
+
+def versions(model_name: str) -> dict:
+    import transformers
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+    except OSError:
+        commit = None
+    from importlib.metadata import version
+
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "h2o_stream": version("h2o-stream"), "git_commit": commit, "model": model_name,
+            "platform": platform.platform()}
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    lengths = [int(x) for x in args.lengths.split(",")]
+    depths = [float(x) for x in args.depths.split(",")]
+    variants = [v.strip() for v in args.policies.split(",")]
+    for v in variants:
+        if v not in VARIANTS:
+            raise SystemExit(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
+    books = [b.strip() for b in args.books.split(",")]
+
+    from h2o_stream.models import load_model
+
+    loaded = load_model(args.model)
+    model, tokenizer = loaded.model, loaded.tokenizer
+    prompt = build_prompt(tokenizer, QUESTION, response_prefix=PRIMER)
+    rng = random.Random(args.seed)
+    trials = [make_trial(tokenizer, args.corpus, books[t % len(books)], rng, max(lengths)) for t in range(args.trials)]
+
+    started = time.perf_counter()
+    results, done_trials, stopped = [], 0, None
+    for t, trial in enumerate(trials):  # trial-major, so a run cut short by --budget-minutes keeps whole trials
+        if t > 0 and args.budget_minutes is not None:
+            per_trial = (time.perf_counter() - started) / t
+            if time.perf_counter() - started + per_trial > args.budget_minutes * 60:
+                stopped = (f"stopped after {t} trial(s): another would take ~{per_trial / 60:.0f} min more, "
+                           f"beyond --budget-minutes {args.budget_minutes}")
+                print(stopped, flush=True)
+                break
+        needle_ids = encode(tokenizer, " " + NEEDLE.format(key=trial["passkey"]))
+        for variant in variants:
+            cells = []
+            for length in lengths:
+                for depth in depths:
+                    cut, ins = place(trial["boundaries"], length, depth)
+                    cells.append({"variant": variant, "trial": t, "length": length, "depth": depth, "cut": cut,
+                                  "ins": ins, "passkey": trial["passkey"]})
+            began = time.perf_counter()
+            if variant == "truncation":
+                results += run_truncation(model, tokenizer, trial, cells, args, prompt, needle_ids)
+            else:
+                results += run_streamed(model, tokenizer, variant, trial, cells, args, prompt, needle_ids)
+            print(f"{variant} trial {t}: {time.perf_counter() - began:.0f} s", flush=True)
+        done_trials = t + 1
+        if not args.no_write:
+            write(args, loaded.name, prompt, trials[:done_trials], variants, lengths, depths, results,
+                  time.perf_counter() - started, stopped)
+
+    elapsed = time.perf_counter() - started
+    print()
+    print(table(results, variants, lengths, depths, args.cache_size))
+    print(f"{len(results)} cells, {done_trials} trial(s), in {elapsed:.0f} s")
+    if not args.no_write:
+        write(args, loaded.name, prompt, trials[:done_trials], variants, lengths, depths, results, elapsed, stopped)
+        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+
+
+def write(args, model_name, prompt, trials, variants, lengths, depths, results, elapsed, stopped) -> None:
+    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    text = table(results, variants, lengths, depths, args.cache_size)
+    payload = {
+        "description": __doc__.split("\n\n")[0],
+        "settings": {**settings, "lengths": lengths, "depths": depths, "variants": variants,
+                     "needle": NEEDLE, "question": QUESTION, "primer": PRIMER,
+                     "prompt_tokens": {"prefix": len(prompt.prefix), "suffix": len(prompt.suffix)},
+                     "chat_template": prompt.chat, "scoring": "first number in the answer == passkey",
+                     "chunking": "chunk_size tokens counted from the filler start and from each needle, cut short "
+                                 "at shared branch points (needle positions, document ends)"},
+        "command": "flock /tmp/h2o-heavy.lock python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "versions": versions(model_name),
+        "trials_completed": len(trials),
+        "stopped": stopped,
+        "trials": [{k: v for k, v in trial.items() if k not in ("filler", "boundaries")} for trial in trials],
+        "seconds": round(elapsed, 1),
+        "accuracy": {v: {f"{n}/{d}": acc for (n, d), acc in accuracy_grid(results, v, lengths, depths).items()}
+                     for v in variants},
+        "table": text,
+        "results": results,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    heatmap(results, variants, lengths, depths, args.cache_size, args.out.with_suffix(".png"),
+            f"{model_name}: passkey retrieval, cache {args.cache_size} per layer & KV head, "
+            f"{len(trials)} trial(s) per cell")
+
+
+if __name__ == "__main__":
+    main()
