@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import sys
 import platform
 from pathlib import Path
@@ -141,7 +140,3 @@ def _versions() -> dict:
     return {"h2o_stream": getattr(h2o_stream, "__version__", "0.1.0"), "torch": torch.__version__,
             "transformers": transformers.__version__, "python": platform.python_version(),
             "threads": torch.get_num_threads()}
-
-
-def load_result(path: Path) -> dict:
-    return json.loads(path.read_text())
