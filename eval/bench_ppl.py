@@ -4,14 +4,13 @@
    at the same attention span (a DynamicCache holding B tokens, C new tokens, cropped back to B after each chunk);
    rounds alternate between contenders so machine noise hits both alike;
 2. chunked vs exact (token-by-token) throughput;
-3. perplexity gap chunked vs exact on the same --gap-tokens tokens, per policy.
+(the perplexity gap chunked vs exact is eval/bench_gap.py).
 
-    python eval/bench_ppl.py --threads 2 --gap-tokens 20000 --out eval/results/bench_ppl.json
+    python eval/bench_ppl.py --threads 2 --out eval/results/bench_ppl.json
 """
 
 from __future__ import annotations
 
-import itertools
 import json
 import statistics
 import sys
@@ -25,7 +24,6 @@ from transformers import DynamicCache
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.data import book_token_ids, iter_books
 from h2o_stream.models import load_model
-from h2o_stream.perplexity import PerplexityRun, token_pieces
 
 CORPUS = "../shared/data/gutenberg_pre1919.jsonl"
 
@@ -57,16 +55,15 @@ def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> f
 @click.option("--rounds", default=4, show_default=True)
 @click.option("--round-tokens", default=2048, show_default=True, help="Tokens per timed round and contender.")
 @click.option("--exact-tokens", default=256, show_default=True, help="Tokens timed in exact mode per policy.")
-@click.option("--gap-tokens", default=20000, show_default=True, help="Tokens for the exact vs chunked PPL gap.")
 @click.option("--data", default=CORPUS, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--out", default="eval/results/bench_ppl.json", show_default=True)
-def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, gap_tokens, data, threads, out):
+def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, data, threads, out):
     setup(threads)
     loaded = load_model(None)
     model = loaded.model
     policies = policies.split(",")
-    need = max(gap_tokens, cache_size + rounds * round_tokens + exact_tokens)
+    need = cache_size + rounds * round_tokens + exact_tokens
     stream = corpus_tokens(loaded.tokenizer, need, data)
     prefix, timed = stream[:cache_size], stream[cache_size:]
 
@@ -90,34 +87,18 @@ def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, g
     for name in policies:
         exact[name] = 1 / time_chunks(model, caches[name], timed[offset:offset + exact_tokens], 1, crop=False)
 
-    report = {"benchmark": "chunked streaming throughput and exact-vs-chunked perplexity",
+    report = {"benchmark": "chunked streaming throughput",
               "model": loaded.name, "data": data, "cache_size": cache_size, "chunk_size": chunk_size,
               "environment": environment(), "tokens_per_second_chunked": chunked,
               "tokens_per_second_exact": exact,
               "ratio_vs_raw_forward": {n: chunked[n] / chunked["raw"] for n in policies},
               "speedup_vs_exact": {n: chunked[n] / exact[n] for n in policies},
-              "targets": {"ratio_vs_raw_forward": 0.85, "speedup_vs_exact": 15, "ppl_gap": 0.02}}
+              "targets": {"ratio_vs_raw_forward": 0.85, "speedup_vs_exact": 15}}
     for n in policies:
         print(f"{n:5s} chunked {chunked[n]:7.1f} tok/s = {report['ratio_vs_raw_forward'][n]:.3f}x raw forward "
               f"({chunked['raw']:.1f} tok/s); exact {exact[n]:.1f} tok/s -> {report['speedup_vs_exact'][n]:.1f}x")
     write_json(out, report)
 
-    # 3. perplexity gap, chunked vs exact, on the first gap_tokens tokens of the stream
-    gap = {}
-    for name, mode in itertools.product(policies, ("chunked", "exact")):
-        run = PerplexityRun(model, make_policy(name, cache_size), chunk_size=chunk_size if mode == "chunked" else 1)
-        started = time.perf_counter()
-        run.run(token_pieces(stream[:gap_tokens]))
-        gap.setdefault(name, {})[mode] = {"ppl": run.running_ppl, "predicted": run.predicted,
-                                          "seconds": time.perf_counter() - started}
-        print(f"{name:5s} {mode:7s} ppl {run.running_ppl:.4f} over {run.predicted} predictions", flush=True)
-    for name in policies:
-        g = gap[name]
-        g["relative_gap"] = g["chunked"]["ppl"] / g["exact"]["ppl"] - 1
-        print(f"{name:5s} chunked/exact ppl - 1 = {g['relative_gap']:+.4%}")
-    report["ppl_gap"] = gap
-    report["gap_tokens"] = gap_tokens
-    write_json(out, report)
     plot(report, out.replace(".json", ".png"))
 
 
@@ -128,8 +109,7 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     policies = list(report["ratio_vs_raw_forward"])
-    has_gap = "ppl_gap" in report
-    fig, axes = plt.subplots(1, 3 if has_gap else 2, figsize=(11 if has_gap else 7.5, 3.6))
+    fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.6))
     panels = [("ratio_vs_raw_forward", "chunked / raw forward (tok/s)", 0.85),
               ("speedup_vs_exact", "chunked / exact (tok/s)", 15)]
     for ax, (key, title, target) in zip(axes, panels):
@@ -137,15 +117,6 @@ def plot(report: dict, path: str) -> None:
         ax.axhline(target, color="red", linestyle="--", label=f"target {target}")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    if not has_gap:
-        _save(fig, report, path)
-        return
-    gaps = [100 * report["ppl_gap"][p]["relative_gap"] for p in policies]
-    axes[2].bar(policies, gaps, color="#dd8452")
-    axes[2].axhline(2, color="red", linestyle="--", label="target ±2%")
-    axes[2].axhline(-2, color="red", linestyle="--")
-    axes[2].set_title(f"PPL gap chunked vs exact, % ({report['gap_tokens']} tokens)", fontsize=9)
-    axes[2].legend(fontsize=8)
     _save(fig, report, path)
 
 

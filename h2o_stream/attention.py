@@ -31,8 +31,11 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
     sink_query = cache.sink_queries(query, key.shape[-2])
-    if layer.policy.needs_scores or sink_query is not None or kwargs.get("softcap") is not None:
-        sinks = (layer.policy.band() or (0, 0))[0]
+    sinks = (layer.policy.band() or (0, 0))[0]
+    plain = not layer.policy.needs_scores and kwargs.get("softcap") is None
+    if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
+        output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
+    elif not plain or sink_query is not None:
         output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
                                               sinks)
     else:
@@ -70,6 +73,34 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received
+
+
+def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:
+    """The fused path needs torch's CPU flash kernel (it returns the log-sum-exp) and every query to see the sinks
+    as ordinary past keys (the chunk starts after them), so that no row of the band part is empty."""
+    return (query.device.type == "cpu" and _FLASH_CPU is not None and key.shape[-2] - query.shape[-2] >= sinks
+            and query.dtype in (torch.float32, torch.float64) and mask is not None and mask.dtype == torch.bool)
+
+
+def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks):
+    """What `attend_with_scores` computes for a chunk whose sink columns need `sink_query`, without its explicit
+    softmax over the whole (q_len, k_len) block: the band columns go through the fused kernel, the few sink columns
+    are computed directly, and the two softmax parts are merged by their log-sum-exps. (batch, q_len, q_heads, dim)."""
+    group = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
+    band = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
+    band[..., :sinks] = float("-inf")
+    band_out, band_lse = _FLASH_CPU(query, key, value, attn_mask=band, scale=scaling)[:2]
+    sink_logits = torch.matmul(sink_query, key[..., :sinks, :].transpose(-1, -2)).mul_(scaling)
+    top = torch.maximum(band_lse, sink_logits.amax(dim=-1))
+    band_weight = torch.exp(band_lse - top).unsqueeze(-1)
+    sink_weights = torch.exp(sink_logits - top.unsqueeze(-1))
+    total = band_weight + sink_weights.sum(dim=-1, keepdim=True)
+    output = (band_out * band_weight + torch.matmul(sink_weights, value[..., :sinks, :])) / total
+    return output.transpose(1, 2)
+
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor | None:

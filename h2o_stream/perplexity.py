@@ -103,7 +103,7 @@ class PerplexityRun:
         before = self.predicted
         self.nll_sum += nll.double().sum()
         self.predicted += targets.numel()
-        self.pending = logits[-1]
+        self.pending = logits[-1].clone()  # a view would keep (and checkpoint) the whole chunk's logits
         self.position += ids.numel()
         if self.predicted // self.curve_every > before // self.curve_every:
             self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))

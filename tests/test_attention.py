@@ -1,0 +1,33 @@
+"""The fused sink path (flash kernel + log-sum-exp merge) against the explicit-softmax reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from h2o_stream.attention import attend_with_scores, attend_with_sink_queries, fused_sink_attention_applies
+
+
+@pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])
+def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads):
+    torch.manual_seed(0)
+    sinks, recent, cached, length, dim = 4, 20, 24, 16, 32
+    query = torch.randn(batch, q_heads, length, dim)
+    sink_query = torch.randn(batch, q_heads, length, dim)
+    key = torch.randn(batch, kv_heads, cached + length, dim) * 2
+    value = torch.randn(batch, kv_heads, cached + length, dim)
+    query_slot = torch.arange(cached, cached + length).unsqueeze(-1)
+    key_slot = torch.arange(cached + length)
+    mask = ((key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent)))[None, None]
+    assert fused_sink_attention_applies(query, key, mask, sinks)
+    fused = attend_with_sink_queries(query, key, value, mask, 0.2, sink_query, sinks)
+    reference, _ = attend_with_scores(query, key, value, mask, 0.2, None, sink_query, sinks)
+    assert fused.shape == reference.shape == (batch, length, q_heads, dim)
+    assert torch.allclose(fused, reference, atol=1e-5, rtol=0), (fused - reference).abs().max()
+
+
+def test_fused_sink_attention_refuses_chunks_that_start_among_the_sinks():
+    query, key = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 10, 16)
+    mask = torch.ones(1, 1, 8, 10, dtype=torch.bool)
+    assert not fused_sink_attention_applies(query, key, mask, 4)  # only 2 entries were cached before the chunk
+    assert fused_sink_attention_applies(query, key, mask, 2)
