@@ -56,10 +56,11 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     # Query head h reads KV head h // group (transformers' repeat_kv); grouping avoids materialising repeated keys.
-    logits = torch.matmul(query.reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2)).mul_(scaling)
+    # Scaling the (small) query rather than the (q_len x k_len) logits saves a pass over the largest tensor here.
+    logits = torch.matmul((query * scaling).reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2))
     if sink_query is not None:
-        sink_logits = torch.matmul(sink_query.reshape(batch, kv_heads, group * q_len, dim),
-                                   key[..., :sinks, :].transpose(-1, -2)).mul_(scaling)
+        sink_logits = torch.matmul((sink_query * scaling).reshape(batch, kv_heads, group * q_len, dim),
+                                   key[..., :sinks, :].transpose(-1, -2))
         logits = torch.cat([sink_logits, logits[..., sinks:]], dim=-1)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
