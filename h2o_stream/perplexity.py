@@ -121,12 +121,13 @@ class PerplexityRun:
         self.book = index
 
     def run(self, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
-            on_progress=None, checkpoint=None) -> None:
+            on_progress=None, checkpoint=None, before_cut_short=None) -> None:
         """Consume (book index, token ids) pieces of the stream from the current position on.
 
         Chunks are cut at multiples of chunk_size of the stream position (per book with reset_per_book), so a resumed
         run makes exactly the chunks an uninterrupted one would. `checkpoint()` is called after chunks at its own
-        pace; `on_progress(run, fed)` after every chunk.
+        pace; `on_progress(run, fed)` after every chunk; `before_cut_short(run)` once, before a last chunk that
+        `limit` cuts short (a checkpoint taken there lets a longer run resume as if never stopped).
         """
         for index, ids in skip_tokens_of(pieces, self.position):
             self.start_book(index)
@@ -134,9 +135,12 @@ class PerplexityRun:
             while offset < ids.numel():
                 if limit is not None and self.position >= limit:
                     return
-                room = self.chunk_size - (self.position - self.book_start) % self.chunk_size
-                if limit is not None:
-                    room = min(room, limit - self.position)
+                room = min(self.chunk_size - (self.position - self.book_start) % self.chunk_size,
+                           ids.numel() - offset)
+                if limit is not None and limit - self.position < room:
+                    if before_cut_short is not None:
+                        before_cut_short(self)
+                    room = limit - self.position
                 piece = ids[offset:offset + room]
                 self.feed_chunk(piece)
                 offset += piece.numel()

@@ -31,7 +31,9 @@ from .report import plot_curves, summary_table, write_json
 @click.option("--reset-per-book", is_flag=True, help="Empty the cache at each book instead of carrying it over.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="h2o-stream-ppl", show_default=True,
               help="Directory for results JSON, checkpoints and the plot.")
-@click.option("--resume", is_flag=True, help="Continue the runs checkpointed in --out (settings must match).")
+@click.option("--resume", is_flag=True,
+              help="Continue the runs checkpointed in --out (settings must match); finished runs can be extended "
+                   "with a larger --tokens and give the same result as one uninterrupted run.")
 @click.option("--checkpoint-every", type=click.IntRange(min=1), default=50_000, show_default=True,
               help="Tokens between checkpoints.")
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
@@ -127,11 +129,21 @@ def _execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, che
             r.save(checkpoint_path)
             last_checkpoint = r.position
 
+    cut_short = False
+
+    def save_before_cut(r: PerplexityRun) -> None:
+        # The last chunk is cut short by --tokens: checkpoint before it, so that a later --resume with more --tokens
+        # feeds it whole and equals an uninterrupted run.
+        nonlocal cut_short
+        r.save(checkpoint_path)
+        cut_short = True
+
     try:
-        run.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint)
+        run.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
     finally:
         bar.close()
-    run.save(checkpoint_path)
+    if not cut_short:
+        run.save(checkpoint_path)
 
 
 def _versions() -> dict:

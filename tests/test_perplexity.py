@@ -174,6 +174,19 @@ def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(model_di
     assert resumed["nll_sum"] == whole["nll_sum"] and resumed["predicted_tokens"] == whole["predicted_tokens"]
 
 
+def test_extending_a_finished_run_equals_one_uninterrupted_run(model_dir, corpus, tmp_path, capsys):
+    base = ["--model", model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--chunk-size", 64]
+    assert run_cli([*base, "--tokens", 2000, "--out", tmp_path / "whole"], capsys)[0] == 0
+    extended = tmp_path / "extended"
+    assert run_cli([*base, "--tokens", 1000, "--out", extended], capsys)[0] == 0  # 1000 is not a multiple of 64
+    short = json.loads((extended / "h2o-16.json").read_text())
+    assert short["tokens_fed"] == 1000
+    assert run_cli([*base, "--tokens", 2000, "--out", extended, "--resume"], capsys)[0] == 0
+    whole = json.loads((tmp_path / "whole" / "h2o-16.json").read_text())
+    longer = json.loads((extended / "h2o-16.json").read_text())
+    assert longer["nll_sum"] == whole["nll_sum"] and longer["tokens_fed"] == whole["tokens_fed"] == 2000
+
+
 def _error(args, capsys):
     code, _, stderr = run_cli(args, capsys)
     assert code == 2, stderr
