@@ -1,0 +1,103 @@
+"""Figure-5-style report of a long `h2o-stream ppl` run directory: running PPL and PPL per window vs tokens, the
+H2O-vs-sinks comparison per cache size, and resident memory late in the stream against early (~50k tokens).
+
+    python eval/long_run_report.py eval/results/pg19_long --window 50000
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import click
+
+from h2o_stream.report import write_json
+
+EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens
+
+
+def windows(curve: list, width: int) -> list[tuple[int, float]]:
+    """(end, PPL over the window) from a running-PPL curve [(predicted, running ppl), ...]."""
+    points, out, last_n, last_sum = [], [], 0, 0.0
+    for n, ppl in curve:
+        points.append((n, n * math.log(ppl)))  # cumulative NLL
+    for n, nll_sum in points:
+        if n - last_n >= width or n == points[-1][0]:
+            if n > last_n:
+                out.append((n, math.exp((nll_sum - last_sum) / (n - last_n))))
+            last_n, last_sum = n, nll_sum
+    return out
+
+
+def rss_growth(result: dict) -> dict | None:
+    samples = result["rss_samples"]
+    early = next(((p, r) for p, r in samples if p >= EARLY_RSS_AT), None)
+    if early is None or samples[-1][0] <= early[0]:
+        return None
+    late = samples[-1]
+    return {"early_tokens": early[0], "early_rss_bytes": early[1], "late_tokens": late[0], "late_rss_bytes": late[1],
+            "ratio": late[1] / early[1]}
+
+
+@click.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--window", default=50_000, show_default=True, help="Tokens per window of the windowed PPL panel.")
+def main(run_dir, window):
+    results = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("*-*.json"))]
+    results = [r for r in results if "curve" in r]
+    if not results:
+        raise click.ClickException(f"no run results (<policy>-<size>.json) in {run_dir}")
+    report = {"window": window, "runs": {}, "h2o_over_sink": {}}
+    for r in results:
+        s = r["settings"]
+        name = f"{s['policy']}-{s.get('heavy', 0) + s.get('recent', 0) + s.get('sinks', 0)}"
+        report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],
+                                "windows": windows(r["curve"], window), "rss": rss_growth(r)}
+    for name, run in report["runs"].items():
+        if name.startswith("h2o-") and (sink := report["runs"].get("sink-" + name[4:])):
+            tokens = min(run["tokens"], sink["tokens"])
+            if run["tokens"] == sink["tokens"]:
+                report["h2o_over_sink"][name[4:]] = {"tokens": tokens, "ppl_ratio": run["ppl"] / sink["ppl"]}
+    print("| run | tokens | PPL | tok/s | RSS early → late |")
+    print("|---|---|---|---|---|")
+    for name, run in report["runs"].items():
+        rss = run["rss"]
+        memory = (f"{rss['early_rss_bytes'] / 2**20:.0f} MiB @ {rss['early_tokens']:,} → "
+                  f"{rss['late_rss_bytes'] / 2**20:.0f} MiB @ {rss['late_tokens']:,} ({rss['ratio']:.4f}×)"
+                  if rss else "-")
+        print(f"| {name} | {run['tokens']:,} | {run['ppl']:.3f} | {run['tokens_per_second']:.0f} | {memory} |")
+    for size, cmp in report["h2o_over_sink"].items():
+        print(f"cache {size}: h2o PPL / sink PPL = {cmp['ppl_ratio']:.4f} over {cmp['tokens']:,} tokens")
+    write_json(Path(run_dir) / "report.json", report)
+    plot(report, results, Path(run_dir) / "figure5.png")
+
+
+def plot(report: dict, results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (running, windowed) = plt.subplots(1, 2, figsize=(12, 4.6))
+    colors = {}
+    for r, (name, run) in zip(results, report["runs"].items()):
+        size = name.split("-")[1]
+        color = colors.setdefault(size, f"C{len(colors)}")
+        style = "-" if name.startswith("h2o") else "--"
+        running.plot(*zip(*r["curve"]), style, color=color, label=f"{name} ({run['ppl']:.2f})")
+        windowed.plot(*zip(*run["windows"]), style, color=color, marker=".", label=name)
+    running.set_title("running perplexity (all tokens so far)", fontsize=9)
+    windowed.set_title(f"perplexity per {report['window']:,}-token window", fontsize=9)
+    for ax in (running, windowed):
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("H2O (solid) vs StreamingLLM sinks (dashed), SmolLM2-135M, local PG-19-style corpus", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
