@@ -10,14 +10,12 @@ Both modes see exactly the same S streams, each starting from an empty cache.
 
 from __future__ import annotations
 
-import json
 import math
-import sys
 import time
 
 import click
 import torch
-from common import environment, setup, write_json
+from common import environment, main_or_replot, save_figure, setup, write_json
 
 from bench_ppl import CORPUS, corpus_tokens
 from h2o_stream import StreamingCache, make_policy
@@ -90,15 +88,9 @@ def plot(report: dict, path: str) -> None:
     for target in (2, -2):
         right.axhline(target, color="red", linestyle="--")
     right.set_title("chunked / exact PPL - 1, % (target within ±2%)", fontsize=9)
-    fig.suptitle(f"{report['model']}, cache {report['cache_size']}, chunk {report['chunk_size']}, "
-                 f"{report['streams']} streams x {report['stream_tokens']} tokens", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, chunk {report['chunk_size']}, "
+                           f"{report['streams']} streams x {report['stream_tokens']} tokens")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":  # redraw the PNG from a result JSON
-        plot(json.loads(open(sys.argv[2]).read()), sys.argv[2].replace(".json", ".png"))
-    else:
-        main()
+    main_or_replot(main, plot)

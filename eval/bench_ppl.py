@@ -11,14 +11,12 @@
 
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import time
 
 import click
 import torch
-from common import environment, setup, write_json
+from common import environment, main_or_replot, save_figure, setup, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
@@ -117,20 +115,8 @@ def plot(report: dict, path: str) -> None:
         ax.axhline(target, color="red", linestyle="--", label=f"target {target}")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
-    _save(fig, report, path)
-
-
-def _save(fig, report: dict, path: str) -> None:
-    import matplotlib.pyplot as plt
-
-    fig.suptitle(f"{report['model']}, cache {report['cache_size']}, chunk {report['chunk_size']}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, chunk {report['chunk_size']}")
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":  # redraw the PNG from a result JSON
-        plot(json.loads(open(sys.argv[2]).read()), sys.argv[2].replace(".json", ".png"))
-    else:
-        main()
+    main_or_replot(main, plot)

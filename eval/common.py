@@ -20,3 +20,22 @@ def environment() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(), "machine": platform.machine(),
             "command": "python " + " ".join(sys.argv)}
+
+
+def save_figure(fig, path: str, title: str) -> None:
+    import matplotlib.pyplot as plt
+
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main_or_replot(main, plot) -> None:
+    """`script.py --plot-only RESULT.json` redraws the PNG next to a result JSON; anything else runs the benchmark."""
+    import json
+
+    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":
+        plot(json.loads(open(sys.argv[2]).read()), sys.argv[2].replace(".json", ".png"))
+    else:
+        main()

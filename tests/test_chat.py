@@ -15,25 +15,19 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from h2o_stream import H2OStreamError, make_policy
 from h2o_stream.chat import _digest, ChatSession, PlainFormat, Sampling, TemplateFormat, TextStream, chat_format, sample_token
 from h2o_stream.chat_cli import chat
 from h2o_stream.stream import feed
+from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer, tiny_llama
 
 # The machine running these is shared: keep this process (and the ones it starts) to one core.
 torch.set_num_threads(1)
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "H2O_STREAM_CHAT_HISTORY": ""}
 
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 # Zephyr-style, with the BOS written by the template and a different end-of-message token.
 ZEPHYR_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + "
@@ -46,24 +40,7 @@ CORPUS = ["hello world, what is two plus two? the answer is four.", "système ü
 
 
 def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    backend.train_from_iterator(CORPUS * 10, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    tokenizer.chat_template = template
-    return tokenizer
-
-
-def tiny_llama(vocab: int, *, seed: int = 0, layers: int = 2, dtype=torch.float32):
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval().to(dtype)
+    return bpe_tokenizer(CORPUS, template)
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +95,21 @@ def record_forwards(model):
 # --- the chat template, turn by turn --------------------------------------------------------------------------------
 
 
+def turn_by_turn(fmt, system, users, replies) -> list[int]:
+    """The tokens a session feeds: each user turn and each reply as its own piece."""
+    pieces = fmt.user_ids(users[0], first=True)
+    for user, reply in zip(users[1:], replies):
+        pieces += fmt.encode(reply) + fmt.closing_ids() + fmt.user_ids(user, first=False)
+    return pieces
+
+
+def full_rendering(tokenizer, system, users, replies) -> list[int]:
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": users[0]}]
+    for user, reply in zip(users[1:], replies):
+        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
+
+
 @pytest.mark.parametrize("template", [SMOLLM2_TEMPLATE, ZEPHYR_TEMPLATE], ids=["smollm2", "zephyr"])
 @pytest.mark.parametrize("system", [None, "Answer in one word."], ids=["default-system", "system"])
 def test_turn_pieces_are_the_tokens_of_the_full_rendering(template, system):
@@ -126,13 +118,7 @@ def test_turn_pieces_are_the_tokens_of_the_full_rendering(template, system):
     assert isinstance(fmt, TemplateFormat) and fmt.notice is None
     users = ["hello world", "what is two plus two?", "système ✓ 日本語 😀"]
     replies = ["hi there", "four."]
-    pieces = fmt.user_ids(users[0], first=True)
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": users[0]}]
-    for user, reply in zip(users[1:], replies):
-        pieces += fmt.encode(reply) + fmt.closing_ids() + fmt.user_ids(user, first=False)
-        messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
-    full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    assert pieces == list(full)
+    assert turn_by_turn(fmt, system, users, replies) == full_rendering(tokenizer, system, users, replies)
 
 
 def test_smollm2_turns_look_as_documented(tokenizer):
@@ -697,12 +683,6 @@ def test_real_tokenizer_turn_pieces_are_the_tokens_of_the_full_rendering():
         fmt = chat_format(tokenizer, system)
         assert isinstance(fmt, TemplateFormat)
         users, replies = ["Hi there!", "What's 2+2?", "Ünïcode ✓ 日本語 😀\nsecond line"], ["Hello!", "4."]
-        pieces = fmt.user_ids(users[0], first=True)
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": users[0]}]
-        for user, reply in zip(users[1:], replies):
-            pieces += fmt.encode(reply) + fmt.closing_ids() + fmt.user_ids(user, first=False)
-            messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
-        full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        assert pieces == list(full)
+        assert turn_by_turn(fmt, system, users, replies) == full_rendering(tokenizer, system, users, replies)
         assert tokenizer.decode(fmt.closing_ids()) == "<|im_end|>\n"
         assert tokenizer.convert_tokens_to_ids("<|im_end|>") in fmt.stop_ids

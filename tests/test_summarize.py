@@ -13,9 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from click.testing import CliRunner
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
 from h2o_stream import H2OStreamError
@@ -28,16 +26,12 @@ from h2o_stream.summarize import (
     summarize,
 )
 from h2o_stream.summarize_cli import summarize as summarize_command
+from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer, tiny_llama
 
 # The machine running these is shared: keep this process to one core.
 torch.set_num_threads(1)
 
 CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
-SMOLLM2_TEMPLATE = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 WORDS = ("the whale ship captain sea storm harbour night morning letter house garden sister brother mother father "
          "journey river road king queen soldier war peace money dinner ball dance town country church").split()
 TRAINING = [" ".join(WORDS), "Here is a document: Summarize the document above in a few sentences.",
@@ -46,24 +40,7 @@ TRAINING = [" ".join(WORDS), "Here is a document: Summarize the document above i
 
 
 def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.BPE())
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    backend.train_from_iterator(TRAINING * 10, trainer)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
-                                        pad_token="<|im_end|>", unk_token="<|endoftext|>")
-    tokenizer.chat_template = template
-    return tokenizer
-
-
-def tiny_llama(vocab: int, *, seed: int = 0, context: int = 1024):
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
-                                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
-    torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config).eval()
+    return bpe_tokenizer(TRAINING, template)
 
 
 def words(count: int, seed: int = 0) -> str:

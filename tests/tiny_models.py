@@ -65,3 +65,37 @@ def save_tiny_model_dir(path, family: str = "llama", **overrides):
     model.save_pretrained(path)
     char_tokenizer().save_pretrained(path)
     return path
+
+
+# --- chat-style tokenizer and model (chat and summarize tests) ------------------------------------------------------
+
+SMOLLM2_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+
+
+def bpe_tokenizer(training_texts: list[str], template: str | None = SMOLLM2_TEMPLATE):
+    """A byte-level BPE tokenizer (400 tokens) trained on `training_texts`, with SmolLM2's special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend.train_from_iterator(training_texts * 10, trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                        pad_token="<|im_end|>", unk_token="<|endoftext|>")
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def tiny_llama(vocab: int, *, seed: int = 0, layers: int = 2, context: int = 1024, dtype=torch.float32):
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                                      bos_token_id=1, eos_token_id=2, pad_token_id=2)
+    torch.manual_seed(seed)
+    return transformers.LlamaForCausalLM(config).eval().to(dtype)
