@@ -29,9 +29,10 @@ def stream_nll(model, policy, ids: torch.Tensor, chunk: int) -> torch.Tensor:
     parts = []
     for start in range(0, ids.shape[1], chunk):
         logits = model(ids[:, start:start + chunk], cache=cache).logits.float()
-        parts.append(torch.log_softmax(logits, dim=-1))
-    logprobs = torch.cat(parts, dim=1)[:, :-1]
-    return -logprobs.gather(-1, ids[:, 1:, None]).squeeze(-1).double()
+        targets = ids[:, start + 1:start + chunk + 1]  # the last position of the last chunk predicts nothing
+        logprobs = torch.log_softmax(logits[:, :targets.shape[1]], dim=-1)
+        parts.append(-logprobs.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double())
+    return torch.cat(parts, dim=1)
 
 
 @click.command()
