@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import platform
 import sys
 
@@ -19,7 +20,8 @@ def setup(threads: int) -> None:
 def environment() -> dict:
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "command": "python " + " ".join(sys.argv)}
+            "command": "python " + " ".join(sys.argv),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
 def save_figure(fig, path: str, title: str) -> None:
