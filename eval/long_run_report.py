@@ -54,11 +54,20 @@ def main(run_dir, window):
         name = f"{s['policy']}-{s.get('heavy', 0) + s.get('recent', 0) + s.get('sinks', 0)}"
         report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],
                                 "windows": windows(r["curve"], window), "rss": rss_growth(r)}
-    for name, run in report["runs"].items():
-        if name.startswith("h2o-") and (sink := report["runs"].get("sink-" + name[4:])):
-            tokens = min(run["tokens"], sink["tokens"])
-            if run["tokens"] == sink["tokens"]:
-                report["h2o_over_sink"][name[4:]] = {"tokens": tokens, "ppl_ratio": run["ppl"] / sink["ppl"]}
+    results_by_name = dict(zip(report["runs"], results))
+    curves = {name: dict(r["curve"]) for name, r in results_by_name.items()}
+    for name in report["runs"]:
+        sink = "sink-" + name[4:]
+        if name.startswith("h2o-") and sink in curves:
+            common = max(set(curves[name]) & set(curves[sink]), default=None)  # runs may have stopped apart
+            if common:
+                h2o_windows, sink_windows = (windows([c for c in results_by_name[n]["curve"] if c[0] <= common], window)
+                                             for n in (name, sink))
+                report["h2o_over_sink"][name[4:]] = {
+                    "predicted_tokens": common, "h2o_ppl": curves[name][common], "sink_ppl": curves[sink][common],
+                    "ppl_ratio": curves[name][common] / curves[sink][common],
+                    "windows_h2o_better": sum(h < k for (_, h), (_, k) in zip(h2o_windows, sink_windows)),
+                    "windows_compared": len(h2o_windows)}
     print("| run | tokens | PPL | tok/s | RSS early → late |")
     print("|---|---|---|---|---|")
     for name, run in report["runs"].items():
@@ -68,7 +77,9 @@ def main(run_dir, window):
                   if rss else "-")
         print(f"| {name} | {run['tokens']:,} | {run['ppl']:.3f} | {run['tokens_per_second']:.0f} | {memory} |")
     for size, cmp in report["h2o_over_sink"].items():
-        print(f"cache {size}: h2o PPL / sink PPL = {cmp['ppl_ratio']:.4f} over {cmp['tokens']:,} tokens")
+        print(f"cache {size}: over the first {cmp['predicted_tokens']:,} predictions h2o PPL {cmp['h2o_ppl']:.3f}, "
+              f"sink {cmp['sink_ppl']:.3f} (h2o / sink = {cmp['ppl_ratio']:.4f}); h2o lower in "
+              f"{cmp['windows_h2o_better']} of {cmp['windows_compared']} windows")
     write_json(Path(run_dir) / "report.json", report)
     plot(report, results, Path(run_dir) / "figure5.png")
 
