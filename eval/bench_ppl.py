@@ -7,6 +7,9 @@
 (the perplexity gap chunked vs exact is eval/bench_gap.py).
 
     python eval/bench_ppl.py --threads 2 --out eval/results/bench_ppl.json
+    # span-matched H2O (kept B + 1 - C, so no query sees more than B + 1 keys; see eval/gap_vs_chunk.py):
+    python eval/bench_ppl.py --cache-size 193 --recent 128 --chunk-size 64 --policies h2o \
+        --out eval/results/bench_ppl_span_matched.json
 """
 
 from __future__ import annotations
@@ -50,13 +53,14 @@ def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> f
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--chunk-size", default=256, show_default=True)
 @click.option("--policies", default="h2o,sink", show_default=True)
+@click.option("--recent", type=int, default=None, help="Recent window (default: each policy's paper split).")
 @click.option("--rounds", default=4, show_default=True)
 @click.option("--round-tokens", default=2048, show_default=True, help="Tokens per timed round and contender.")
 @click.option("--exact-tokens", default=256, show_default=True, help="Tokens timed in exact mode per policy.")
 @click.option("--data", default=CORPUS, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @click.option("--out", default="eval/results/bench_ppl.json", show_default=True)
-def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, data, threads, out):
+def main(cache_size, chunk_size, policies, recent, rounds, round_tokens, exact_tokens, data, threads, out):
     setup(threads)
     loaded = load_model(None)
     model = loaded.model
@@ -68,7 +72,7 @@ def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, d
     # 1. chunked throughput vs the raw forward at the same span, interleaved
     caches = {"raw": DynamicCache(config=model.config)}
     for name in policies:
-        caches[name] = StreamingCache(model, make_policy(name, cache_size))
+        caches[name] = StreamingCache(model, make_policy(name, cache_size, recent=recent))
     with torch.no_grad():
         for cache in caches.values():
             model(prefix.unsqueeze(0), cache=cache)
@@ -87,6 +91,7 @@ def main(cache_size, chunk_size, policies, rounds, round_tokens, exact_tokens, d
 
     report = {"benchmark": "chunked streaming throughput",
               "model": loaded.name, "data": data, "cache_size": cache_size, "chunk_size": chunk_size,
+              "policies": {name: caches[name].policy.describe() for name in policies},
               "environment": environment(), "tokens_per_second_chunked": chunked,
               "tokens_per_second_exact": exact,
               "ratio_vs_raw_forward": {n: chunked[n] / chunked["raw"] for n in policies},
