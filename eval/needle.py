@@ -121,19 +121,9 @@ def score(answer: str, passkey: int) -> int:
 # --- runs --------------------------------------------------------------------------------------------------------
 
 
-def clone_state(state):
-    if isinstance(state, torch.Tensor):
-        return state.clone()
-    if isinstance(state, dict):
-        return {k: clone_state(v) for k, v in state.items()}
-    if isinstance(state, list):
-        return [clone_state(v) for v in state]
-    return state
-
-
 def fork(model, policy, cache: StreamingCache) -> StreamingCache:
     copy = StreamingCache(model, policy)
-    copy.load_state(clone_state(cache.state()))
+    copy.load_state(cache.state())  # state() copies the tensors
     return copy
 
 

@@ -508,7 +508,8 @@ class ChatSession:
         return result
 
     def _checkpoint(self) -> dict:
-        return {"cache": _clone(self.cache.state()), "rng": self._generator.get_state(),
+        return {"cache": self.cache.state(),  # state() copies the tensors
+                "rng": self._generator.get_state(),
                 "counters": self._counters(), "recent": list(self._recent), "last_turn": self.last_turn}
 
     def _restore(self, checkpoint: dict) -> None:
@@ -819,13 +820,3 @@ def _check_cache_state(state: dict, cache: StreamingCache, model) -> None:
 def _to_device(state: dict, device) -> dict:
     return {**state, "layers": [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
                                 for layer in state["layers"]]}
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_clone(v) for v in value]
-    return value
