@@ -6,13 +6,25 @@ python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/bench_exact
 python eval/bench_ppl.py --threads 2 --rounds 6 --out eval/results/bench_ppl.json
 python eval/bench_gap.py --threads 1 --streams 4 --stream-tokens 5120 --out eval/results/bench_gap.json
 python eval/gap_vs_chunk.py --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
-# The long run: h2o and sink at cache 256 as two one-thread processes side by side (on 2 cores that beats one
-# two-thread process), checkpointed every 20k tokens; rerun with rerunning continues from the checkpoints; LONG_TOKENS extends.
-LONG=(--data ../shared/data/gutenberg_pre1919.jsonl --cache-size 256 --chunk-size 256 --threads 1
+python eval/bench_ppl.py --threads 2 --rounds 6 --cache-size 193 --recent 128 --chunk-size 64 --policies h2o \
+    --out eval/results/bench_ppl_span_matched.json
+# The long runs: h2o and sink as one-thread processes side by side (on 2 cores that beats one two-thread process),
+# checkpointed every 20k tokens; rerunning continues from the checkpoints exactly, a larger token count extends them.
+# Committed: cache 256 to 1,048,576 tokens (LONG_256_TOKENS), cache 128 and 512 to 350,000 (LONG_OTHER_TOKENS).
+LONG=(--data ../shared/data/gutenberg_pre1919.jsonl --chunk-size 256 --threads 1
       --checkpoint-every 20000 --out eval/results/pg19_long --resume)
 for policy in h2o sink; do
-    OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --policy "$policy" --tokens "${LONG_TOKENS:-1000000}" &
+    OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size 256 --policy "$policy" \
+        --tokens "${LONG_256_TOKENS:-1048576}" &
 done
 wait
-h2o-stream ppl "${LONG[@]}" --policy h2o,sink --tokens "${LONG_TOKENS:-1000000}"   # both runs into one plot + table
-python eval/long_run_report.py eval/results/pg19_long --window 50000
+for size in 128 512; do
+    for policy in h2o sink; do
+        OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size "$size" --policy "$policy" \
+            --tokens "${LONG_OTHER_TOKENS:-350000}" &
+    done
+done
+wait
+h2o-stream ppl "${LONG[@]}" --cache-size 256 --policy h2o,sink --tokens "${LONG_256_TOKENS:-1048576}"
+h2o-stream ppl "${LONG[@]}" --cache-size 128,512 --policy h2o,sink --tokens "${LONG_OTHER_TOKENS:-350000}"  # ppl.png
+python eval/long_run_report.py eval/results/pg19_long --window 50000   # figure5.png + report.json over all six runs
