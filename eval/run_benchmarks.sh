@@ -13,16 +13,13 @@ python eval/bench_ppl.py --threads 2 --rounds 6 --cache-size 193 --recent 128 --
 # Committed: cache 256 to 1,048,576 tokens (LONG_256_TOKENS), cache 128 and 512 to 350,000 (LONG_OTHER_TOKENS).
 LONG=(--data ../shared/data/gutenberg_pre1919.jsonl --chunk-size 256 --threads 1
       --checkpoint-every 20000 --out eval/results/pg19_long --resume)
-for policy in h2o sink; do
-    OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size 256 --policy "$policy" \
-        --tokens "${LONG_256_TOKENS:-1048576}" &
-done
+long_run() {  # cache size, policy, tokens: in the background
+    OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size "$1" --policy "$2" --tokens "$3" &
+}
+for policy in h2o sink; do long_run 256 "$policy" "${LONG_256_TOKENS:-1048576}"; done
 wait
 for size in 128 512; do
-    for policy in h2o sink; do
-        OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size "$size" --policy "$policy" \
-            --tokens "${LONG_OTHER_TOKENS:-350000}" &
-    done
+    for policy in h2o sink; do long_run "$size" "$policy" "${LONG_OTHER_TOKENS:-350000}"; done
 done
 wait
 h2o-stream ppl "${LONG[@]}" --cache-size 256 --policy h2o,sink --tokens "${LONG_256_TOKENS:-1048576}"
