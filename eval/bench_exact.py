@@ -19,7 +19,7 @@ from common import environment, setup, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.models import load_model
+from h2o_stream.loading.models import load_model
 
 
 @click.command()

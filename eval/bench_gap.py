@@ -19,7 +19,7 @@ from common import environment, main_or_replot, save_figure, setup, write_json
 
 from bench_ppl import CORPUS, corpus_tokens
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.models import load_model
+from h2o_stream.loading.models import load_model
 
 
 @torch.no_grad()

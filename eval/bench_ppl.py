@@ -23,8 +23,8 @@ from common import environment, main_or_replot, save_figure, setup, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.data import book_token_ids, iter_books
-from h2o_stream.models import load_model
+from h2o_stream.loading.corpus import book_token_ids, iter_books
+from h2o_stream.loading.models import load_model
 
 CORPUS = "../shared/data/gutenberg_pre1919.jsonl"
 

@@ -131,8 +131,8 @@ def main(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temp
     import transformers
 
     from h2o_stream import make_policy
-    from h2o_stream.chat import ChatSession, Sampling, rss_bytes
-    from h2o_stream.models import load_model
+    from h2o_stream.apps.chat.session import ChatSession, Sampling, rss_bytes
+    from h2o_stream.loading.models import load_model
 
     command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     loaded = load_model(model_spec, threads=threads)

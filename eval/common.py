@@ -9,7 +9,7 @@ import sys
 import torch
 import transformers
 
-from h2o_stream.report import write_json  # noqa: F401  (re-exported for the scripts)
+from h2o_stream.apps.perplexity.report import write_json  # noqa: F401  (re-exported for the scripts)
 
 
 def setup(threads: int) -> None:

@@ -21,7 +21,7 @@ from common import environment, main_or_replot, save_figure, setup, write_json
 from bench_gap import stream_nll
 from bench_ppl import corpus_tokens
 from h2o_stream import make_policy
-from h2o_stream.models import load_model
+from h2o_stream.loading.models import load_model
 
 
 @click.command()

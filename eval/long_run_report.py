@@ -12,7 +12,7 @@ from pathlib import Path
 
 import click
 
-from h2o_stream.report import write_json
+from h2o_stream.apps.perplexity.report import write_json
 
 EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens
 

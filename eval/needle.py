@@ -15,7 +15,7 @@ Cost saving: the cells of one (variant, trial) share reads: the filler is read o
 the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
 cell's chunks are `chunk` tokens counted from the filler's start and from its needle, cut short at branch points; for
 sink and window chunking does not change the numbers (banded mask), for h2o it moves eviction decisions slightly.
-The prompt is the library's (`h2o_stream.summarize.build_prompt`): chat template, document in the user turn, question
+The prompt is the library's (`h2o_stream.apps.summarize.summarize.build_prompt`): chat template, document in the user turn, question
 last.
 
     # the committed run (trial 1 was skipped: one trial took 20 min on one core of the shared 2-core machine)
@@ -39,8 +39,8 @@ from pathlib import Path
 import torch
 
 from h2o_stream import StreamingCache
-from h2o_stream.stream import feed
-from h2o_stream.summarize import Reader, build_prompt, encode
+from h2o_stream.engine.feed import feed
+from h2o_stream.apps.summarize.summarize import Reader, build_prompt, encode
 
 CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
 RESULTS = Path(__file__).parent / "results"
@@ -299,7 +299,7 @@ def main(argv=None) -> None:
             raise SystemExit(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
     books = [b.strip() for b in args.books.split(",")]
 
-    from h2o_stream.models import load_model
+    from h2o_stream.loading.models import load_model
 
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer

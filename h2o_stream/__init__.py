@@ -1,11 +1,21 @@
-"""h2o-stream: streaming, infinite-context generation with a fixed-size KV cache (H2O, StreamingLLM sinks)."""
+"""h2o-stream: streaming, infinite-context generation with a fixed-size KV cache (H2O, StreamingLLM sinks).
 
-from .attention import attach
-from .cache import StreamingCache
-from .errors import H2OStreamError
-from .perplexity import PerplexityResult, stream_perplexity
-from .policies import POLICIES, EvictionPolicy, make_policy, register
-from .summarize import SummaryResult, summarize
+Layers, imports flowing one way (checked by import-linter, see pyproject.toml):
+engine (cache, attention, policies, feed) <- generation (the decode loop) / loading (models, corpora)
+<- apps (perplexity, chat, summarize) <- cli.
+"""
+
+from importlib.metadata import PackageNotFoundError, version
+
+try:
+    __version__ = version("h2o-stream")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+from .apps.perplexity import PerplexityResult, stream_perplexity  # noqa: E402
+from .apps.summarize import SummaryResult, summarize  # noqa: E402
+from .engine import POLICIES, EvictionPolicy, StreamingCache, attach, make_policy, register  # noqa: E402
+from .errors import H2OStreamError  # noqa: E402
 
 __all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "PerplexityResult", "StreamingCache", "attach", "make_policy",
-           "register", "stream_perplexity", "SummaryResult", "summarize"]
+           "register", "stream_perplexity", "SummaryResult", "summarize", "__version__"]

@@ -1,3 +1,3 @@
-from .cli import main
+from h2o_stream.cli import main
 
 main()

@@ -19,9 +19,9 @@ from click.testing import CliRunner
 from transformers import PreTrainedTokenizerFast
 
 from h2o_stream import H2OStreamError, make_policy
-from h2o_stream.chat import _digest, ChatSession, PlainFormat, Sampling, TemplateFormat, TextStream, chat_format, sample_token
-from h2o_stream.chat_cli import chat
-from h2o_stream.stream import feed
+from h2o_stream.apps.chat.session import _digest, ChatSession, PlainFormat, Sampling, TemplateFormat, TextStream, chat_format, sample_token
+from h2o_stream.cli.chat import chat
+from h2o_stream.engine.feed import feed
 from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer, tiny_llama
 
 # The machine running these is shared: keep this process (and the ones it starts) to one core.
@@ -604,9 +604,9 @@ def pexpect_eof():
 
 def real_model_available():
     try:
-        from h2o_stream.models import load_model  # noqa: F401
+        from h2o_stream.loading.models import load_model  # noqa: F401
     except ImportError as error:
-        pytest.skip(f"h2o_stream.models.load_model is not available: {error}")
+        pytest.skip(f"h2o_stream.loading.models.load_model is not available: {error}")
 
 
 def read_reply(child, prompt=">>> "):
@@ -679,7 +679,7 @@ def test_real_model_in_a_terminal_three_turns_stats_save_and_resume_in_a_new_pro
 @pytest.mark.slow
 def test_real_tokenizer_turn_pieces_are_the_tokens_of_the_full_rendering():
     real_model_available()
-    from h2o_stream.models import load_model
+    from h2o_stream.loading.models import load_model
 
     tokenizer = load_model().tokenizer
     for system in (None, "You are terse."):

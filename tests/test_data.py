@@ -1,4 +1,4 @@
-"""h2o_stream.data: books from local jsonl / parquet / text / directories and from the Hub (mocked), and tokenizing them."""
+"""h2o_stream.loading.corpus: books from local jsonl / parquet / text / directories and from the Hub (mocked), and tokenizing them."""
 
 import itertools
 import json
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from h2o_stream import data
-from h2o_stream.data import HUB_PG19, Book, book_token_ids, describe_source, iter_books
+from h2o_stream.loading import corpus as data
+from h2o_stream.loading.corpus import HUB_PG19, Book, book_token_ids, describe_source, iter_books
 from h2o_stream.errors import H2OStreamError
 
 REAL_CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from h2o_stream import stream_perplexity
-from h2o_stream.data import book_token_ids, iter_books
+from h2o_stream.loading.corpus import book_token_ids, iter_books
 
 CORPUS = Path(__file__).resolve().parents[1].parent / "shared" / "data" / "gutenberg_pre1919.jsonl"
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CORPUS.exists(), reason=f"no corpus at {CORPUS}")]
@@ -17,7 +17,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not CORPUS.exists(), reason=f
 
 @pytest.fixture(scope="module")
 def default_model():
-    from h2o_stream.models import load_model
+    from h2o_stream.loading.models import load_model
 
     return load_model(None)
 

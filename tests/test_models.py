@@ -1,4 +1,4 @@
-"""Tests for h2o_stream.models: where models come from, and the errors users see when that fails.
+"""Tests for h2o_stream.loading.models: where models come from, and the errors users see when that fails.
 
 Everything here runs offline on tiny models built in the test (a 2-layer Llama, a word-level
 tokenizer, and a GGUF file written with the `gguf` package), except the one test marked slow, which
@@ -22,9 +22,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from h2o_stream import models
+from h2o_stream.loading import models
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.models import (
+from h2o_stream.loading.models import (
     DEFAULT_MODEL,
     cache_dir,
     default_gguf_path,

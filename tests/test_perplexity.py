@@ -15,7 +15,7 @@ from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_mo
 
 from h2o_stream import make_policy, stream_perplexity
 from h2o_stream.cli import main
-from h2o_stream.perplexity import PerplexityRun, token_pieces
+from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from transformers import PreTrainedTokenizerFast
 
 from h2o_stream import H2OStreamError
-from h2o_stream.summarize import (
+from h2o_stream.apps.summarize.summarize import (
     SummaryResult,
     build_prompt,
     encode,
@@ -25,7 +25,7 @@ from h2o_stream.summarize import (
     load_document,
     summarize,
 )
-from h2o_stream.summarize_cli import summarize as summarize_command
+from h2o_stream.cli.summarize import summarize as summarize_command
 from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer, tiny_llama
 
 # The machine running these is shared: keep this process to one core.
@@ -373,7 +373,7 @@ def test_command_errors_are_one_line_and_exit_2(tmp_path, args, message, monkeyp
     (tmp_path / "binary.dat").write_bytes(b"\x7fELF\x00\x00")
     (tmp_path / "doc.txt").write_text("A short document.")
     loads = []
-    monkeypatch.setattr("h2o_stream.models.load_model", lambda *a, **k: loads.append(a))
+    monkeypatch.setattr("h2o_stream.loading.models.load_model", lambda *a, **k: loads.append(a))
     with pytest.raises(SystemExit) as exit_info:
         cli.main(["summarize", *[a.format(tmp=tmp_path) for a in args]])
     assert exit_info.value.code == 2
@@ -389,9 +389,9 @@ def test_command_errors_are_one_line_and_exit_2(tmp_path, args, message, monkeyp
 @pytest.mark.slow
 def test_real_model_summarizes_a_20k_token_book_excerpt():
     try:
-        from h2o_stream.models import load_model
+        from h2o_stream.loading.models import load_model
     except ImportError as error:
-        pytest.skip(f"h2o_stream.models.load_model is not available: {error}")
+        pytest.skip(f"h2o_stream.loading.models.load_model is not available: {error}")
     if not CORPUS.is_file():
         pytest.skip(f"the local corpus {CORPUS} is not here")
     loaded = load_model(None, threads=1)

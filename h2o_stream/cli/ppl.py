@@ -11,11 +11,11 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .cli import cache_options, model_options, parse_list
-from .errors import H2OStreamError
-from .perplexity import PerplexityRun, skip_tokens_of
-from .policies import make_policy, policy_class
-from .report import plot_curves, summary_table, write_json
+from .options import cache_options, model_options, parse_list
+from h2o_stream.errors import H2OStreamError
+from h2o_stream.apps.perplexity.run import PerplexityRun, skip_tokens_of
+from h2o_stream.engine.policies import make_policy, policy_class
+from h2o_stream.apps.perplexity.report import plot_curves, summary_table, write_json
 
 
 @click.command()
@@ -45,8 +45,8 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, s
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
     run, a checkpoint per run (for --resume), ppl.png and summary.json.
     """
-    from .data import book_token_ids, describe_source, iter_books
-    from .models import load_model
+    from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
+    from h2o_stream.loading.models import load_model
 
     if tokens < 1:
         raise H2OStreamError(f"--tokens must be at least 1, got {tokens}")

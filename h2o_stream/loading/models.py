@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from safetensors import SafetensorError
 
-from .errors import H2OStreamError, one_line
+from h2o_stream.errors import H2OStreamError, one_line
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import H2OStreamError, one_line
+from h2o_stream.errors import H2OStreamError, one_line
 
 HUB_PG19 = "emozilla/pg19-test"  # the widely used copy of the PG-19 test split
 LOCAL_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md")  # what a directory is searched for

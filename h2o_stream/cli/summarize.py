@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from .cli import cache_options, model_options
-from .errors import H2OStreamError
-from .summarize import (
+from .options import cache_options, model_options
+from h2o_stream.errors import H2OStreamError
+from h2o_stream.apps.summarize.summarize import (
     DEFAULT_CACHE_SIZE,
     DEFAULT_CHUNK_SIZE,
     DEFAULT_INSTRUCTION,

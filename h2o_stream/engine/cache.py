@@ -15,9 +15,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from .errors import H2OStreamError
+from ..errors import H2OStreamError
+from ..rope_rolling import RopeRoller
+from .hooks import attach
 from .policies import EvictionPolicy
-from .rope_rolling import RopeRoller
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -140,8 +141,6 @@ class StreamingCache(Cache):
     """
 
     def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True):
-        from .attention import attach  # attention imports this module
-
         config = model.config.get_text_config(decoder=True)
         roller = RopeRoller.for_model(model) if rolling else None
         budget = policy.budget
@@ -199,23 +198,6 @@ class StreamingCache(Cache):
         key_slot = torch.arange(n + length, device=device)
         visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
         return visible[None, None]
-
-    def sink_queries(self, query: torch.Tensor, key_length: int) -> torch.Tensor | None:
-        """Queries as exact mode places them relative to the sinks, or None when that is where they already are.
-
-        In exact mode a query never sits beyond slot `budget`, so a sink at slot s is budget - s away. In a chunk,
-        query i sits at slot n+i; for the sink columns it is moved back to min(n+i, budget).
-        """
-        sinks, _ = self.policy.band() or (0, 0)
-        length = query.shape[-2]
-        n = key_length - length  # entries cached before this chunk
-        budget = self.policy.budget
-        if not (self.rolling and sinks and length > 1 and n + length - 1 > budget):
-            return None
-        roller = self.layers[0].roller
-        slots = torch.arange(n, n + length, device=query.device)
-        raw = roller.rotate_by(query, slots, inverse=True, length=n + length)
-        return roller.rotate_by(raw, slots.clamp(max=budget), inverse=False, length=n + length)
 
     def state(self) -> dict:
         return {"policy": self.policy.settings(), "rolling": self.rolling,

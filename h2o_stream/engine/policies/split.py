@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import H2OStreamError
+from h2o_stream.errors import H2OStreamError
 from .base import check_count
 from .registry import policy_class
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import H2OStreamError
+from h2o_stream.errors import H2OStreamError
 from .base import EvictionPolicy, _need_size, check_count, last_slots
 from .registry import register
 

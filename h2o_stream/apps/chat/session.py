@@ -26,10 +26,10 @@ from pathlib import Path
 
 import torch
 
-from .cache import StreamingCache
-from .errors import H2OStreamError, one_line
-from .policies import EvictionPolicy, make_policy, policy_class
-from .stream import chunks, feed
+from h2o_stream.engine.cache import StreamingCache
+from h2o_stream.errors import H2OStreamError, one_line
+from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
+from h2o_stream.engine.feed import chunks, feed
 
 SESSION_FORMAT = "h2o-stream chat session"
 SESSION_VERSION = 1

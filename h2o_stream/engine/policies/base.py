@@ -12,7 +12,7 @@ from typing import ClassVar
 
 import torch
 
-from ..errors import H2OStreamError
+from h2o_stream.errors import H2OStreamError
 
 
 class EvictionPolicy(ABC):

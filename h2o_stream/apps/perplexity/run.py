@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from .cache import StreamingCache
-from .errors import H2OStreamError
-from .policies import EvictionPolicy, make_policy
+from h2o_stream.engine.cache import StreamingCache
+from h2o_stream.errors import H2OStreamError
+from h2o_stream.engine.policies import EvictionPolicy, make_policy
 
 CHECKPOINT_VERSION = 1
 

@@ -1,19 +1,12 @@
-"""The `h2o-stream` command line: one click group; each command lives in its own module and is added here."""
+"""Options shared by the commands: model loading, cache policy and budget, comma-separated lists."""
 
 from __future__ import annotations
 
 import functools
-import sys
 
 import click
 
-from .errors import H2OStreamError
-
-
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
-@click.version_option(package_name="h2o-stream")
-def cli():
-    """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks)."""
+from h2o_stream.errors import H2OStreamError
 
 
 def model_options(command):
@@ -58,38 +51,3 @@ def parse_list(text: str, convert, label: str) -> list:
         return [convert(item) for item in items]
     except ValueError:
         raise H2OStreamError(f"{label} must be a comma-separated list, got {text!r}") from None
-
-
-def _register_commands() -> None:
-    from .perplexity_cli import ppl
-
-    cli.add_command(ppl)
-    for module, name in (("chat_cli", "chat"), ("summarize_cli", "summarize")):
-        try:
-            imported = __import__(f"{__package__}.{module}", fromlist=[name])
-        except ModuleNotFoundError as error:
-            if error.name != f"{__package__}.{module}":
-                raise
-            continue
-        cli.add_command(getattr(imported, name))
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Entry point: every H2OStreamError becomes one line on stderr and exit status 2."""
-    _register_commands()
-    try:
-        status = cli.main(args=argv, standalone_mode=False)
-    except H2OStreamError as error:
-        click.echo(f"Error: {error}", err=True)
-        sys.exit(2)
-    except click.exceptions.Abort:
-        click.echo("Aborted.", err=True)
-        sys.exit(130)
-    except click.ClickException as error:
-        error.show()
-        sys.exit(error.exit_code)
-    except KeyboardInterrupt:
-        click.echo("Interrupted.", err=True)
-        sys.exit(130)
-    if isinstance(status, int) and status:
-        sys.exit(status)

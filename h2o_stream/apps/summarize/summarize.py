@@ -27,10 +27,10 @@ from pathlib import Path
 
 import torch
 
-from .cache import StreamingCache
-from .errors import H2OStreamError
-from .policies import make_policy
-from .stream import feed
+from h2o_stream.engine.cache import StreamingCache
+from h2o_stream.errors import H2OStreamError
+from h2o_stream.engine.policies import make_policy
+from h2o_stream.engine.feed import feed
 
 STRATEGIES = ("single", "hierarchical")
 DEFAULT_POLICY = "h2o"
@@ -567,7 +567,7 @@ def resolve_model(model, *, dtype: str = "float32", device: str = "cpu", threads
     """(model, tokenizer, name) from None / a spec string / a LoadedModel / a (model, tokenizer) pair."""
     if model is None or isinstance(model, (str, os.PathLike)):
         try:
-            from .models import load_model
+            from h2o_stream.loading.models import load_model
         except ImportError as error:
             raise H2OStreamError(f"cannot load models here ({error}): pass a (model, tokenizer) pair") from None
         loaded = load_model(model, dtype=dtype, device=device, threads=threads)

@@ -1,56 +1,15 @@
-"""The attention function h2o-stream registers with transformers, and the two hooks that give it its cache.
-
-`attach(model)` switches the model to the registered attention implementation and hooks its base model: before a
-forward that carries a `StreamingCache`, the hook sets the position ids the cache dictates (slot indices when rolling)
-and makes the cache visible to the attention function; after the forward it hides it again. With any other cache (or
-none) the attention function is plain SDPA, so an attached model still works as before.
-"""
+"""Attention kernels: plain attention that also reports how much attention each key received, and the fused path
+for chunked sink attention. Pure tensor functions; the cache and the hooks that call them live elsewhere."""
 
 from __future__ import annotations
 
-from contextvars import ContextVar
-
 import torch
-import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-from .cache import StreamingCache
-
-ATTENTION_NAME = "h2o_stream"
-_active_cache: ContextVar[StreamingCache | None] = ContextVar("h2o_stream_cache", default=None)
-
-
-def streaming_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    cache = _active_cache.get()
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    layer = cache.layers[module.layer_idx]
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
-    sink_query = cache.sink_queries(query, key.shape[-2])
-    sinks = (layer.policy.band() or (0, 0))[0]
-    plain = not layer.policy.needs_scores and kwargs.get("softcap") is None
-    if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
-        output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
-    elif not plain or sink_query is not None:
-        output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
-                                              sinks)
-    else:
-        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
-        received = None
-    layer.after_attention(received if layer.policy.needs_scores else None)
-    return output, None
-
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     and over the query heads that share its KV head: (batch, kv_heads, k_len).
 
-    `sink_query`, if given, replaces the query for the first `sinks` key columns (see StreamingCache.sink_queries).
+    `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     """
     batch, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -114,37 +73,17 @@ def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor |
     return (torch.arange(k_len, device=device) <= rows)[None, None]
 
 
-def _before_forward(module, args, kwargs):
-    cache = kwargs.get("cache", kwargs.get("past_key_values"))
-    if not isinstance(cache, StreamingCache):
+
+
+def sink_queries(roller, query: torch.Tensor, cached: int, budget: int, sinks: int) -> torch.Tensor | None:
+    """Queries as exact mode places them relative to the sinks, or None when that is where they already are.
+
+    In exact mode a query never sits beyond slot `budget`, so a sink at slot s is budget - s away. In a chunk,
+    query i sits at slot `cached` + i; for the sink columns it is moved back to min(cached + i, budget).
+    """
+    length = query.shape[-2]
+    if not (roller is not None and sinks and length > 1 and cached + length - 1 > budget):
         return None
-    inputs = kwargs.get("input_ids")
-    if inputs is None:
-        inputs = kwargs.get("inputs_embeds")
-    if inputs is None and args:
-        inputs = args[0]
-    kwargs["position_ids"], band_mask = cache.begin_forward(inputs.shape[1], inputs.device)
-    if band_mask is not None:
-        # A 4D mask is taken by transformers as-is; padding masks have no meaning for a single stream.
-        kwargs["attention_mask"] = band_mask
-    module._h2o_stream_tokens.append(_active_cache.set(cache))
-    return args, kwargs
-
-
-def _after_forward(module, args, kwargs, output):
-    if isinstance(kwargs.get("cache", kwargs.get("past_key_values")), StreamingCache) and module._h2o_stream_tokens:
-        _active_cache.reset(module._h2o_stream_tokens.pop())
-
-
-def attach(model) -> None:
-    """Make `model` run h2o-stream attention when given a StreamingCache (idempotent)."""
-    if ATTENTION_NAME not in AttentionInterface._global_mapping:
-        AttentionInterface.register(ATTENTION_NAME, streaming_attention)
-        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
-    if model.config._attn_implementation != ATTENTION_NAME:
-        model.set_attn_implementation(ATTENTION_NAME)
-    base = model.base_model
-    if not hasattr(base, "_h2o_stream_tokens"):
-        base._h2o_stream_tokens = []
-        base.register_forward_pre_hook(_before_forward, with_kwargs=True)
-        base.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+    slots = torch.arange(cached, cached + length, device=query.device)
+    raw = roller.rotate_by(query, slots, inverse=True, length=cached + length)
+    return roller.rotate_by(raw, slots.clamp(max=budget), inverse=False, length=cached + length)

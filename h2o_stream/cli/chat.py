@@ -15,9 +15,9 @@ from pathlib import Path
 
 import click
 
-from .chat import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
-from .cli import cache_options, model_options
-from .errors import H2OStreamError
+from h2o_stream.apps.chat.session import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
+from .options import cache_options, model_options
+from h2o_stream.errors import H2OStreamError
 
 PROMPT = ">>> "
 HISTORY_LINES = 1000
@@ -56,8 +56,8 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, 
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
     feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
     every line is one turn or command."""
-    from .models import load_model
-    from .policies import make_policy
+    from h2o_stream.loading.models import load_model
+    from h2o_stream.engine.policies import make_policy
 
     for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that cannot show a character gets a '?'
         if hasattr(stream, "reconfigure"):
@@ -128,7 +128,7 @@ class Repl:
             return
         path = os.environ.get("H2O_STREAM_CHAT_HISTORY")
         if path is None:
-            from .models import cache_dir
+            from h2o_stream.loading.models import cache_dir
 
             path = str(cache_dir() / "chat_history")
         if not path:  # H2O_STREAM_CHAT_HISTORY="" turns the history file off

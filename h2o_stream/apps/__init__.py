@@ -1,0 +1,1 @@
+"""Applications built on the engine: streaming perplexity, endless chat, long-document summarization."""

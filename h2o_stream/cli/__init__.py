@@ -1,0 +1,47 @@
+"""The `h2o-stream` command line: one click group; each command lives in its own module and is added here.
+
+Commands are thin: they parse options, call the library (h2o_stream.apps) and print. Every H2OStreamError becomes one
+`Error: ...` line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from h2o_stream.errors import H2OStreamError
+
+from .chat import chat
+from .ppl import ppl
+from .summarize import summarize
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="h2o-stream")
+def cli():
+    """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks)."""
+
+
+for _command in (ppl, chat, summarize):
+    cli.add_command(_command)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: every H2OStreamError becomes one line on stderr and exit status 2."""
+    try:
+        status = cli.main(args=argv, standalone_mode=False)
+    except H2OStreamError as error:
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        click.echo("Aborted.", err=True)
+        sys.exit(130)
+    except click.ClickException as error:
+        error.show()
+        sys.exit(error.exit_code)
+    except KeyboardInterrupt:
+        click.echo("Interrupted.", err=True)
+        sys.exit(130)
+    if isinstance(status, int) and status:
+        sys.exit(status)

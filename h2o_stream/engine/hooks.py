@@ -1,0 +1,87 @@
+"""The attention function h2o-stream registers with transformers, and the two hooks that give it its cache.
+
+`attach(model)` switches the model to the registered attention implementation and hooks its base model: before a
+forward that carries a streaming cache (anything with `begin_forward`, i.e. a `StreamingCache`), the hook sets the
+position ids the cache dictates (slot indices when rolling) and makes the cache visible to the attention function;
+after the forward it hides it again. With any other cache (or none) the attention function is plain SDPA, so an
+attached model still works as before. This module does not import the cache: the cache imports `attach`.
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from .attention import (_full_mask, attend_with_scores, attend_with_sink_queries, fused_sink_attention_applies,
+                        sink_queries)
+
+ATTENTION_NAME = "h2o_stream"
+_active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
+
+
+def streaming_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    cache = _active_cache.get()
+    if cache is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                                      **kwargs)
+    layer = cache.layers[module.layer_idx]
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
+    sinks = (layer.policy.band() or (0, 0))[0]
+    sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
+    plain = not layer.policy.needs_scores and kwargs.get("softcap") is None
+    if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
+        output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
+    elif not plain or sink_query is not None:
+        output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
+                                              sinks)
+    else:
+        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
+                                                enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+        received = None
+    layer.after_attention(received if layer.policy.needs_scores else None)
+    return output, None
+
+
+def _before_forward(module, args, kwargs):
+    cache = kwargs.get("cache", kwargs.get("past_key_values"))
+    if not _is_streaming(cache):
+        return None
+    inputs = kwargs.get("input_ids")
+    if inputs is None:
+        inputs = kwargs.get("inputs_embeds")
+    if inputs is None and args:
+        inputs = args[0]
+    kwargs["position_ids"], band_mask = cache.begin_forward(inputs.shape[1], inputs.device)
+    if band_mask is not None:
+        # A 4D mask is taken by transformers as-is; padding masks have no meaning for a single stream.
+        kwargs["attention_mask"] = band_mask
+    module._h2o_stream_tokens.append(_active_cache.set(cache))
+    return args, kwargs
+
+
+def _after_forward(module, args, kwargs, output):
+    if _is_streaming(kwargs.get("cache", kwargs.get("past_key_values"))) and module._h2o_stream_tokens:
+        _active_cache.reset(module._h2o_stream_tokens.pop())
+
+
+def attach(model) -> None:
+    """Make `model` run h2o-stream attention when given a StreamingCache (idempotent)."""
+    if ATTENTION_NAME not in AttentionInterface._global_mapping:
+        AttentionInterface.register(ATTENTION_NAME, streaming_attention)
+        AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    if model.config._attn_implementation != ATTENTION_NAME:
+        model.set_attn_implementation(ATTENTION_NAME)
+    base = model.base_model
+    if not hasattr(base, "_h2o_stream_tokens"):
+        base._h2o_stream_tokens = []
+        base.register_forward_pre_hook(_before_forward, with_kwargs=True)
+        base.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+
+
+def _is_streaming(cache) -> bool:
+    return callable(getattr(cache, "begin_forward", None))
