@@ -1,3 +1,6 @@
+"""Shared test set-up: one torch thread count, no autograd, and the tiny chat-style model every chat/summarize test
+uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it)."""
+
 import sys
 from pathlib import Path
 
@@ -7,8 +10,35 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
+from tiny_models import bpe_tokenizer, tiny_llama  # noqa: E402  (needs the path above)
+
+#: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
+DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.",
+                          "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
+
 
 @pytest.fixture(autouse=True)
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(scope="module")
+def tokenizer(request):
+    """Tiny BPE tokenizer with SmolLM2's chat template, trained on the module's TRAINING_TEXTS."""
+    return bpe_tokenizer(getattr(request.module, "TRAINING_TEXTS", DEFAULT_TRAINING_TEXTS))
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    """A random tiny llama whose vocabulary fits `tokenizer`."""
+    return tiny_llama(len(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory, model, tokenizer):
+    """`model` and `tokenizer` saved as a local model directory, loadable with --model PATH."""
+    path = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

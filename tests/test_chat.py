@@ -35,22 +35,14 @@ ZEPHYR_TEMPLATE = (
 # Appends the message count: the rendering of a longer chat does not start with the rendering of a shorter one.
 NOT_INCREMENTAL_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}[{{ messages | length }}]"
 
-CORPUS = ["hello world, what is two plus two? the answer is four.", "système ünïcode ✓ 日本語 text",
+TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "système ünïcode ✓ 日本語 text",
           "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
 
 
 def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
-    return bpe_tokenizer(CORPUS, template)
+    return bpe_tokenizer(TRAINING_TEXTS, template)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(len(tokenizer))
 
 
 def session_for(model, tokenizer, *, policy="h2o", size=32, temperature=0.0, max_new_tokens=12, seed=0, **kwargs):
@@ -472,12 +464,6 @@ def test_reset_forgets_the_conversation_but_keeps_the_settings(model, tokenizer)
 # --- the command line, piped ----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, model, tokenizer):
-    directory = tmp_path_factory.mktemp("tiny-chat-model")
-    model.save_pretrained(directory)
-    tokenizer.save_pretrained(directory)
-    return directory
 
 
 def run_chat(args, stdin, monkeypatch=None):

@@ -34,13 +34,13 @@ torch.set_num_threads(1)
 CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
 WORDS = ("the whale ship captain sea storm harbour night morning letter house garden sister brother mother father "
          "journey river road king queen soldier war peace money dinner ball dance town country church").split()
-TRAINING = [" ".join(WORDS), "Here is a document: Summarize the document above in a few sentences.",
+TRAINING_TEXTS = [" ".join(WORDS), "Here is a document: Summarize the document above in a few sentences.",
             "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system",
             "Here are summaries of consecutive parts of a document, in order: Part 1: 2: 3:"]
 
 
 def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
-    return bpe_tokenizer(TRAINING, template)
+    return bpe_tokenizer(TRAINING_TEXTS, template)
 
 
 def words(count: int, seed: int = 0) -> str:
@@ -50,14 +50,6 @@ def words(count: int, seed: int = 0) -> str:
     return " ".join(sentences)
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    return tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(len(tokenizer))
 
 
 @pytest.fixture(scope="module")
@@ -312,12 +304,6 @@ def test_bad_model_argument(tokenizer):
 # --- the command -----------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory, model, tokenizer):
-    path = tmp_path_factory.mktemp("tiny-model")
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def invoke(args):

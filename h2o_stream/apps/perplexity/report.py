@@ -1,18 +1,10 @@
-"""Result files: atomic JSON writes, the PPL-vs-tokens plot, the summary table."""
+"""Result files: the PPL-vs-tokens plot and the summary table (JSON goes through h2o_stream.files)."""
 
 from __future__ import annotations
 
-import json
 import os
-from pathlib import Path
 
-
-def write_json(path: str | os.PathLike, data) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=1)
-        f.write("\n")
-    os.replace(tmp, path)
+from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for callers)
 
 
 def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> None:
@@ -37,10 +29,9 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    tmp = Path(f"{path}.tmp.png")
-    fig.savefig(tmp, dpi=120)
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
 
 
 def summary_table(results: list[dict]) -> str:

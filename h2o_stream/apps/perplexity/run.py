@@ -18,6 +18,7 @@ import torch
 
 from h2o_stream.engine.cache import StreamingCache
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.files import atomic_path
 from h2o_stream.engine.policies import EvictionPolicy, make_policy
 
 CHECKPOINT_VERSION = 1
@@ -170,9 +171,8 @@ class PerplexityRun:
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic: a killed write leaves the previous checkpoint intact."""
-        tmp = f"{path}.tmp"
-        torch.save(self.state(), tmp)
-        os.replace(tmp, path)
+        with atomic_path(path) as partial:
+            torch.save(self.state(), partial)
 
     def load(self, path: str | os.PathLike) -> None:
         try:
