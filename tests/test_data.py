@@ -1,5 +1,7 @@
-"""h2o_stream.loading.corpus: books from local jsonl / parquet / text / directories and from the Hub (mocked), and tokenizing them."""
+"""h2o_stream.loading.corpus: books from the shipped sample, local jsonl / jsonl.gz / parquet / text / directories and
+the Hub (mocked); picking one book; tokenizing them."""
 
+import gzip
 import itertools
 import json
 import logging
@@ -9,10 +11,18 @@ from pathlib import Path
 import pytest
 
 from h2o_stream.loading import corpus as data
-from h2o_stream.loading.corpus import HUB_PG19, Book, book_token_ids, describe_source, iter_books
+from h2o_stream.loading.corpus import (
+    HUB_PG19,
+    SAMPLE_FILE,
+    SAMPLE_TITLES,
+    Book,
+    book_token_ids,
+    describe_source,
+    iter_books,
+    list_books,
+    read_book,
+)
 from h2o_stream.errors import H2OStreamError
-
-REAL_CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -164,11 +174,10 @@ def test_iter_books_is_lazy_about_errors(tmp_path):
         next(it)
 
 
-# --- the real corpus -----------------------------------------------------------------------------
+# --- the shipped sample ----------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not REAL_CORPUS.exists(), reason="shared corpus not present")
-def test_real_corpus_first_two_books_lazily(monkeypatch):
+def test_sample_first_two_books_lazily(monkeypatch):
     opened = []
 
     def recording_open(*args, **kwargs):
@@ -177,14 +186,94 @@ def test_real_corpus_first_two_books_lazily(monkeypatch):
         return f
 
     monkeypatch.setattr(data, "open", recording_open, raising=False)
-    it = iter_books(REAL_CORPUS)
+    it = iter_books("sample")
     two = list(itertools.islice(it, 2))
-    assert [b.title for b in two] == ["War and Peace", "Don Quixote"]
-    assert all(len(b.text) > 1_000_000 for b in two)
-    # Only the first two lines (about a quarter of the file) have been read: the rest is never loaded.
-    assert opened and max(f.tell() for f in opened) < os.path.getsize(REAL_CORPUS) / 2
+    assert [b.title for b in two] == ["Pride and Prejudice", "Frankenstein"]
+    assert all(len(b.text) > 400_000 for b in two)
+    # Only the first two lines (about a third of the file) have been read: the rest is never decompressed.
+    assert opened and max(f.tell() for f in opened) < os.path.getsize(SAMPLE_FILE) / 2
     it.close()
     assert all(f.closed for f in opened)
+
+
+def test_sample_is_small_public_domain_and_described():
+    assert SAMPLE_FILE.is_file() and SAMPLE_FILE.stat().st_size < 3_000_000
+    assert (SAMPLE_FILE.parent / "README.md").is_file()
+    rows = [json.loads(line) for line in gzip.open(SAMPLE_FILE, "rt", encoding="utf-8")]
+    assert tuple(r["short_book_title"] for r in rows) == SAMPLE_TITLES
+    assert all(r["publication_date"] < 1919 and r["url"].startswith("https://www.gutenberg.org/ebooks/") for r in rows)
+    assert sum(len(r["text"]) for r in rows) > 3_000_000  # ~4 characters a token: well over 500k tokens
+    described = describe_source("sample")
+    assert described.startswith("sample: 5 Gutenberg books shipped with h2o-stream ")
+    assert "Moby Dick; or, The Whale" in described
+    assert read_book("sample", "moby dick")[0] == 2
+
+
+@pytest.mark.slow
+def test_sample_has_500k_tokens_of_the_default_tokenizer():
+    from h2o_stream.loading.models import load_model
+
+    tokenizer = load_model(None).tokenizer
+    counts = [len(book_token_ids(book, tokenizer)) for book in iter_books("sample")]
+    assert sum(counts) == 793_928  # the figure in sample/README.md
+
+
+def test_jsonl_gz_is_read_like_jsonl_also_in_directories(tmp_path):
+    rows = [{"short_book_title": "Emma", "text": "Emma Woodhouse."}, {"text": "untitled"}]
+    with gzip.open(tmp_path / "books.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with gzip.open(tmp_path / "note.txt.gz", "wt", encoding="utf-8") as f:
+        f.write("A note.")
+    assert books(tmp_path / "books.jsonl.gz") == [("Emma", "Emma Woodhouse."), ("books.jsonl.gz:2", "untitled")]
+    assert books(tmp_path / "note.txt.gz") == [("note", "A note.")]
+    assert [t for t, _ in books(tmp_path)] == ["Emma", "books.jsonl.gz:2", "note"]
+    assert describe_source(tmp_path / "books.jsonl.gz") == "books.jsonl.gz (local jsonl, gzip)"
+
+
+def test_damaged_gzip_gives_one_clear_error(tmp_path):
+    path = tmp_path / "cut.jsonl.gz"
+    rows = "".join(json.dumps({"text": str(i * 7919 % 10007)}) + "\n" for i in range(5000)).encode()
+    path.write_bytes(gzip.compress(rows)[:2000])  # cut short
+    with pytest.raises(H2OStreamError, match=r"could not read .*cut\.jsonl\.gz .*complete gzip file"):
+        list(iter_books(path))
+    not_gzip = tmp_path / "plain.jsonl.gz"
+    not_gzip.write_text('{"text": "a"}\n', encoding="utf-8")
+    assert "complete gzip file" in first_error(not_gzip)
+
+
+# --- one book of a corpus ----------------------------------------------------------------------------
+
+BOOKS = [{"short_book_title": "Moby Dick", "text": "Call me Ishmael."}, {"short_book_title": "Emma", "text": "E."},
+         {"short_book_title": "Emma Returns", "text": "Again."}]
+
+
+def test_read_book_by_index_or_title(tmp_path):
+    path = write_jsonl(tmp_path / "b.jsonl", BOOKS)
+    assert read_book(path, 1) == (1, Book("Emma", "E.")) == read_book(path, "1")
+    assert read_book(path, "emma")[1].title == "Emma"  # an exact title wins over a partial match
+    assert read_book(path, "RETURNS")[1].title == "Emma Returns"
+    assert list_books(path) == [(0, "Moby Dick"), (1, "Emma"), (2, "Emma Returns")]
+    single = tmp_path / "one.txt"
+    single.write_text("Only book.", encoding="utf-8")
+    assert read_book(single) == (0, Book("one", "Only book."))
+
+
+@pytest.mark.parametrize("book, message", [
+    (None, r"holds 3 books: choose one by index or title .*0: 'Moby Dick', 1: 'Emma'"),
+    ("Ulysses", r"no book 'Ulysses' in .*b\.jsonl \(3 books, indices 0-2\)"),
+    (3, r"no book 3 in"), (-1, r"no book -1 in"),
+    ("mm", r"book 'mm' matches 2 titles \('Emma', 'Emma Returns'\): be more specific"),
+])
+def test_read_book_refuses_an_unclear_choice(tmp_path, book, message):
+    path = write_jsonl(tmp_path / "b.jsonl", BOOKS)
+    with pytest.raises(H2OStreamError, match=message):
+        read_book(path, book)
+
+
+def test_read_book_refuses_an_empty_book(tmp_path):
+    path = write_jsonl(tmp_path / "z.jsonl", [{"short_book_title": "Z", "text": "  "}])
+    with pytest.raises(H2OStreamError, match=r"book 0 \('Z'\) of .*z\.jsonl is empty"):
+        read_book(path)
 
 
 # --- the Hub (the datasets.load_dataset boundary, mocked) --------------------------------------------
