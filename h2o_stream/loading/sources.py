@@ -1,0 +1,119 @@
+"""The three places a model can come from: a model directory, a .gguf file, or the Hugging Face Hub.
+
+Each loader returns `(model, tokenizer)` in the requested dtype on the CPU, and turns the failures a user can
+cause (a wrong path, a broken file, no network) into one-line `H2OStreamError`s that say what to do.
+"""
+
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+
+from h2o_stream.errors import H2OStreamError, one_line
+
+# transformers is imported inside the functions that need it: importing it takes seconds.
+
+# Any of these in a directory means a tokenizer was saved there (fast, then the slow formats).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+def from_directory(path: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a directory written by `save_pretrained`."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"to use the GGUF file in it, pass {ggufs[0]}" if ggufs else "pass a directory written by save_pretrained, or a .gguf file"
+        raise H2OStreamError(f"{path} is not a model directory, it has no config.json: {hint}")
+    # The tokenizer first: it is quick, so a directory without one fails before the weights load.
+    # Without any tokenizer file, transformers' own complaint is a paragraph about sentencepiece.
+    if not any((path / name).is_file() for name in _TOKENIZER_FILES):
+        raise H2OStreamError(f"{path} has no tokenizer (no tokenizer.json): save one there with tokenizer.save_pretrained")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as exc:
+        raise H2OStreamError(
+            f"could not load a tokenizer from {path} ({one_line(exc)}): save one there with tokenizer.save_pretrained"
+        ) from exc
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except (OSError, ValueError, SafetensorError) as exc:
+        raise H2OStreamError(f"could not load the model in {path}: {one_line(exc)}") from exc
+    return model, tokenizer
+
+
+def from_gguf(path: Path, dtype: torch.dtype):
+    """(model, tokenizer) from a .gguf file, dequantized to plain `dtype` weights."""
+    _require_gguf_package()
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    # transformers looks `gguf_file` up relative to the working directory before the directory
+    # argument, so a relative name could pick up a different file: pass the absolute path.
+    location = dict(pretrained_model_name_or_path=path.parent, gguf_file=str(path.resolve()))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**location)
+        # dequantize=True gives plain nn.Linear layers and the usual attention: with the optional
+        # `kernels` package installed, transformers would otherwise keep the weights packed and
+        # swap in a GGML attention, which the KV-cache policies are not written for.
+        model = AutoModelForCausalLM.from_pretrained(
+            **location, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+        )
+    except Exception as exc:  # the GGUF parser raises anything from ValueError to struct.error on a bad file
+        raise _gguf_load_error(path, exc) from exc
+    return model, tokenizer
+
+
+def from_hub(repo_id: str, dtype: torch.dtype):
+    """(model, tokenizer) for a Hugging Face Hub id, downloaded into (or read from) the Hub's own cache."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(repo_id)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+    except _hub_errors() as exc:
+        raise H2OStreamError(
+            f"could not load the model {repo_id!r} from the Hugging Face Hub: {one_line(exc)} "
+            "(if you are offline, pass a local directory or a .gguf file with --model)"
+        ) from exc
+    except ValueError as exc:  # it downloaded, but is not something AutoModelForCausalLM can build
+        raise H2OStreamError(f"could not load the model {repo_id!r}: {one_line(exc)}") from exc
+    return model, tokenizer
+
+
+def _require_gguf_package() -> None:
+    try:
+        import gguf  # noqa: F401  (transformers reads .gguf files through it)
+    except ImportError:
+        raise H2OStreamError("loading a .gguf file needs the `gguf` package: pip install gguf") from None
+
+
+def _gguf_load_error(path: Path, exc: Exception) -> H2OStreamError:
+    """Say whether the file itself is broken, or transformers cannot use a well-formed GGUF."""
+    import gguf
+
+    try:
+        # Parses the whole header, and checks every tensor lies inside the file. It takes seconds
+        # on a real model, so it runs only to explain a failure.
+        gguf.GGUFReader(path)
+    except Exception:
+        return H2OStreamError(
+            f"{path} is not a readable GGUF file ({one_line(exc)}): it may be truncated or corrupt; download it again"
+        )
+    return H2OStreamError(f"transformers could not load the GGUF file {path}: {one_line(exc)}")
+
+
+def _hub_errors() -> tuple[type[BaseException], ...]:
+    """The exceptions that mean the Hub could not be reached, or has no such repository."""
+    # transformers turns most of them (no network, missing repo, malformed id) into OSError, and
+    # huggingface_hub's HTTP errors and requests' errors are OSErrors too. httpx's are not, and
+    # huggingface_hub uses httpx (renamed httpx2 in huggingface_hub 2.x) for its requests.
+    errors: list[type[BaseException]] = [OSError]
+    for module_name in ("httpx2", "httpx"):
+        try:
+            errors.append(importlib.import_module(module_name).HTTPError)
+        except (ImportError, AttributeError):
+            pass
+    return tuple(errors)
