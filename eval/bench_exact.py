@@ -15,7 +15,7 @@ import time
 
 import click
 import torch
-from common import environment, setup, write_json
+from common import environment, main_or_replot, new_figure, save_figure, setup, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
@@ -65,39 +65,24 @@ def main(cache_size, block, rounds, policies, threads, out):
     for name in names:
         extra = f"  ratio vs DynamicCache {ratios[name]:.3f}x" if name in ratios else ""
         print(f"{name:8s} {median[name] * 1000:7.2f} ms/token{extra}")
-    write_json(out, {"benchmark": "exact-mode decode vs DynamicCache", "model": loaded.name,
-                     "cache_size": cache_size, "block": block, "rounds": rounds, "environment": environment(),
-                     "median_seconds_per_token": median, "ratio_vs_dynamic": ratios,
-                     "per_block_seconds_per_token": per_token, "target_ratio": 1.25})
-    plot(out)
+    report = {"benchmark": "exact-mode decode vs DynamicCache", "model": loaded.name,
+              "cache_size": cache_size, "block": block, "rounds": rounds, "environment": environment(),
+              "median_seconds_per_token": median, "ratio_vs_dynamic": ratios,
+              "per_block_seconds_per_token": per_token, "target_ratio": 1.25}
+    write_json(out, report)
+    plot(report, out.replace(".json", ".png"))
 
 
-def plot(path: str) -> None:
-    import json
-
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    report = json.loads(open(path).read())
+def plot(report: dict, path: str) -> None:
     names = list(report["median_seconds_per_token"])
-    fig, ax = plt.subplots(figsize=(6, 3.4))
+    fig, ax = new_figure(size=(6, 3.4))
     ax.bar(names, [1000 * report["median_seconds_per_token"][n] for n in names], color="#4c72b0")
     for i, n in enumerate(names[1:], start=1):
         ax.text(i, 1000 * report["median_seconds_per_token"][n], f"{report['ratio_vs_dynamic'][n]:.2f}x",
                 ha="center", va="bottom", fontsize=8)
     ax.set_ylabel("ms per decoded token (median)")
-    ax.set_title(f"exact mode vs DynamicCache, cache {report['cache_size']} (target <= 1.25x)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path.replace(".json", ".png"), dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, f"exact mode vs DynamicCache, cache {report['cache_size']} (target <= 1.25x)")
 
 
 if __name__ == "__main__":
-    import sys
-
-    if len(sys.argv) == 3 and sys.argv[1] == "--plot-only":  # redraw the PNG from a result JSON
-        plot(sys.argv[2])
-    else:
-        main()
+    main_or_replot(main, plot)

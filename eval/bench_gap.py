@@ -1,4 +1,5 @@
-"""Perplexity gap, chunked vs exact (token-by-token) mode, on the default model and the local corpus.
+"""Perplexity gap, chunked vs exact (token-by-token) mode, on the default model and a corpus (--data, default: the
+shipped sample).
 
 Exact mode decodes one token per forward, which is memory-bound on a CPU (~7 tok/s here): one 20k-token stream would
 take about an hour per policy. So the corpus' first S*L tokens are cut into S consecutive streams of L tokens that run
@@ -15,9 +16,8 @@ import time
 
 import click
 import torch
-from common import environment, main_or_replot, save_figure, setup, write_json
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
 
-from bench_ppl import CORPUS, corpus_tokens
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.loading.models import load_model
 
@@ -41,7 +41,7 @@ def stream_nll(model, policy, ids: torch.Tensor, chunk: int) -> torch.Tensor:
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--chunk-size", default=256, show_default=True)
 @click.option("--policies", default="h2o,sink", show_default=True)
-@click.option("--data", default=CORPUS, show_default=True)
+@data_option
 @click.option("--threads", default=1, show_default=True)
 @click.option("--out", default="eval/results/bench_gap.json", show_default=True)
 def main(streams, stream_tokens, cache_size, chunk_size, policies, data, threads, out):
@@ -72,13 +72,8 @@ def main(streams, stream_tokens, cache_size, chunk_size, policies, data, threads
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [n for n in report["policies"] if "relative_gap" in report["policies"][n]]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
+    fig, (left, right) = new_figure(1, 2, size=(9, 3.6))
     for offset, mode in ((-0.2, "exact"), (0.2, "chunked")):
         left.bar([i + offset for i in range(len(names))], [report["policies"][n][mode]["ppl"] for n in names],
                  width=0.4, label=mode)

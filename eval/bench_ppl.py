@@ -1,4 +1,4 @@
-"""Chunked streaming on the default model and the local corpus, measured side by side in one run.
+"""Chunked streaming on the default model and a corpus (--data, default: the shipped sample), side by side in one run.
 
 1. throughput: our chunked forward (policy, cache B, chunk C) vs the model's raw chunked forward with no cache logic
    at the same attention span (a DynamicCache holding B tokens, C new tokens, cropped back to B after each chunk);
@@ -19,23 +19,11 @@ import time
 
 import click
 import torch
-from common import environment, main_or_replot, save_figure, setup, write_json
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.loading.corpus import book_token_ids, iter_books
 from h2o_stream.loading.models import load_model
-
-CORPUS = "../shared/data/gutenberg_pre1919.jsonl"
-
-
-def corpus_tokens(tokenizer, count: int, data: str) -> torch.Tensor:
-    ids = []
-    for book in iter_books(data):
-        ids.extend(book_token_ids(book, tokenizer))
-        if len(ids) >= count:
-            break
-    return torch.tensor(ids[:count])
 
 
 @torch.no_grad()
@@ -57,7 +45,7 @@ def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> f
 @click.option("--rounds", default=4, show_default=True)
 @click.option("--round-tokens", default=2048, show_default=True, help="Tokens per timed round and contender.")
 @click.option("--exact-tokens", default=256, show_default=True, help="Tokens timed in exact mode per policy.")
-@click.option("--data", default=CORPUS, show_default=True)
+@data_option
 @click.option("--threads", default=2, show_default=True)
 @click.option("--out", default="eval/results/bench_ppl.json", show_default=True)
 def main(cache_size, chunk_size, policies, recent, rounds, round_tokens, exact_tokens, data, threads, out):
@@ -106,13 +94,8 @@ def main(cache_size, chunk_size, policies, recent, rounds, round_tokens, exact_t
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     policies = list(report["ratio_vs_raw_forward"])
-    fig, axes = plt.subplots(1, 2, figsize=(7.5, 3.6))
+    fig, axes = new_figure(1, 2, size=(7.5, 3.6))
     panels = [("ratio_vs_raw_forward", "chunked / raw forward (tok/s)", 0.85),
               ("speedup_vs_exact", "chunked / exact (tok/s)", 15)]
     for ax, (key, title, target) in zip(axes, panels):

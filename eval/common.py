@@ -1,4 +1,4 @@
-"""Shared bits for the benchmarks: threads, version stamp, atomic result files."""
+"""Shared bits for the benchmarks: threads, version stamp, the corpus option and its tokens, atomic result files."""
 
 from __future__ import annotations
 
@@ -6,30 +6,63 @@ import os
 import platform
 import sys
 
+import click
 import torch
 import transformers
 
-from h2o_stream.apps.perplexity.report import write_json  # noqa: F401  (re-exported for the scripts)
+from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for the scripts)
+from h2o_stream.loading.corpus import book_token_ids, iter_books
+
+#: --data for every benchmark that reads text: the sample shipped with the package unless a corpus is named
+data_option = click.option("--data", default="sample", show_default=True,
+                           help="Corpus to read: sample (shipped with h2o-stream), or a .jsonl / .parquet / .txt file "
+                                "or a directory of them.")
 
 
 def setup(threads: int) -> None:
+    """Fix the torch thread count and seed before a benchmark."""
     torch.set_num_threads(threads)
     torch.manual_seed(0)
 
 
 def environment() -> dict:
+    """What a result depends on besides its settings: library versions, threads, machine, the command line."""
     return {"torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads(), "machine": platform.machine(),
             "command": "python " + " ".join(sys.argv),
             "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
 
 
-def save_figure(fig, path: str, title: str) -> None:
+def corpus_tokens(tokenizer, count: int, data: str) -> torch.Tensor:
+    """The first `count` token ids of the corpus `data`, books one after another (each with its own BOS)."""
+    ids = []
+    for book in iter_books(data):
+        ids.extend(book_token_ids(book, tokenizer))
+        if len(ids) >= count:
+            break
+    if len(ids) < count:
+        raise click.ClickException(f"{data} holds {len(ids):,} tokens, fewer than the {count:,} this run needs")
+    return torch.tensor(ids[:count])
+
+
+def new_figure(*subplots: int, size: tuple[float, float]):
+    """(figure, axes) from matplotlib's file-only backend: the benchmarks draw PNGs, never windows."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(*subplots, figsize=size)
+
+
+def save_figure(fig, path, title: str) -> None:
+    """Title `fig`, write it to `path` atomically as a PNG, and free it."""
     import matplotlib.pyplot as plt
 
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=110)
     plt.close(fig)
 
 

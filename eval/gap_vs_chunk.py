@@ -2,9 +2,9 @@
 
 A chunk of C queries over a cache of B sees up to B + C keys (exact mode: B + 1), so chunked H2O is not exact H2O.
 This runs chunked H2O on the same S streams as a finished eval/bench_gap.py result and compares with its exact PPL
-(exact mode is deterministic, so it is not recomputed): several chunk sizes with the full budget, and, per DESIGN.md's
-other option, "span-matched" runs whose kept budget is cut to B + 1 - C (fewer heavy entries), so that no query ever
-sees more than B + 1 keys.
+(exact mode is deterministic, so it is not recomputed): several chunk sizes with the full budget, and, as
+docs/design.md ("Chunked mode") describes, "span-matched" runs whose kept budget is cut to B + 1 - C (fewer heavy
+entries), so that no query ever sees more than B + 1 keys. `--data` must name the corpus the result was measured on.
 
     python eval/gap_vs_chunk.py --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
 """
@@ -16,11 +16,11 @@ import math
 import time
 
 import click
-from common import environment, main_or_replot, save_figure, setup, write_json
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
 
 from bench_gap import stream_nll
-from bench_ppl import corpus_tokens
 from h2o_stream import make_policy
+from h2o_stream.loading.corpus import describe_source
 from h2o_stream.loading.models import load_model
 
 
@@ -28,19 +28,22 @@ from h2o_stream.loading.models import load_model
 @click.option("--exact-from", type=click.Path(exists=True, dir_okay=False), required=True)
 @click.option("--chunk-sizes", default="16,64", show_default=True)
 @click.option("--matched", default="16,64", show_default=True, help="Chunk sizes to run span-matched.")
+@data_option
 @click.option("--threads", default=1, show_default=True)
 @click.option("--out", default="eval/results/gap_vs_chunk.json", show_default=True)
-def main(exact_from, chunk_sizes, matched, threads, out):
+def main(exact_from, chunk_sizes, matched, data, threads, out):
     setup(threads)
     base = json.loads(open(exact_from).read())
+    if describe_source(data) != describe_source(base["data"]):  # the streams must be the ones the exact PPL is of
+        raise click.ClickException(f"{exact_from} was measured on {base['data']}, not {data}: pass --data with that corpus")
     exact_ppl = base["policies"]["h2o"]["exact"]["ppl"]
     budget, streams, length = base["cache_size"], base["streams"], base["stream_tokens"]
     loaded = load_model(None)
     if loaded.name != base["model"]:
         raise click.ClickException(f"{exact_from} was measured on {base['model']}, not {loaded.name}")
-    ids = corpus_tokens(loaded.tokenizer, streams * length, base["data"]).view(streams, length)
+    ids = corpus_tokens(loaded.tokenizer, streams * length, data).view(streams, length)
     half = budget // 2
-    report = {"benchmark": "chunked h2o vs exact h2o by chunk size", "model": loaded.name, "data": base["data"],
+    report = {"benchmark": "chunked h2o vs exact h2o by chunk size", "model": loaded.name, "data": data,
               "streams": streams, "stream_tokens": length, "cache_size": budget, "exact_from": exact_from,
               "exact_ppl": exact_ppl, "environment": environment(), "target_relative_gap": 0.02,
               "runs": [{"chunk_size": base["chunk_size"], "span_matched": False, "policy": base["policies"]["h2o"]["split"],
@@ -62,12 +65,7 @@ def main(exact_from, chunk_sizes, matched, threads, out):
 
 
 def plot(report: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    fig, ax = new_figure(size=(6.5, 3.8))
     for matched, style, label in ((False, "o-", f"kept budget {report['cache_size']} (span up to B + C)"),
                                   (True, "s--", "span-matched: kept B + 1 - C")):
         runs = sorted((r for r in report["runs"] if r["span_matched"] == matched), key=lambda r: r["chunk_size"])

@@ -11,8 +11,7 @@ import math
 from pathlib import Path
 
 import click
-
-from h2o_stream.apps.perplexity.report import write_json
+from common import new_figure, save_figure, write_json
 
 EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens
 
@@ -85,12 +84,7 @@ def main(run_dir, window):
 
 
 def plot(report: dict, results: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (running, windowed) = plt.subplots(1, 2, figsize=(12, 4.6))
+    fig, (running, windowed) = new_figure(1, 2, size=(12, 4.6))
     colors = {}
     for r, (name, run) in zip(results, report["runs"].items()):
         size = name.split("-")[1]
@@ -104,10 +98,7 @@ def plot(report: dict, results: list[dict], path: Path) -> None:
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle("H2O (solid) vs StreamingLLM sinks (dashed), SmolLM2-135M, local PG-19-style corpus", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, "H2O (solid) vs StreamingLLM sinks (dashed), SmolLM2-135M, local PG-19-style corpus")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,31 @@
 #!/usr/bin/env bash
-# The benchmark runs quoted in the README. Timed benchmarks run alone (never two torch processes at once on 2 cores).
+# The benchmark runs quoted in the README, as committed in eval/results. Timed benchmarks run alone (never two torch
+# processes at once on 2 cores).
+#
+#     DATA=path/to/gutenberg_pre1919.jsonl bash eval/run_benchmarks.sh
+#
+# DATA is the corpus every run reads. The committed results were measured on a local corpus of 21 public-domain
+# Project Gutenberg books published before 1919, one JSON line per book in PG-19's columns (short_book_title,
+# publication_date, url, text); DATA=sample runs the same commands on the sample shipped with the package instead
+# (a different text, so different numbers).
 set -euo pipefail
+if [[ -z "${DATA:-}" ]]; then
+    echo "eval/run_benchmarks.sh: set DATA to the corpus to read, e.g." \
+         "DATA=path/to/gutenberg_pre1919.jsonl bash eval/run_benchmarks.sh (the committed results used the local" \
+         "21-book Gutenberg corpus; DATA=sample reads the sample shipped with the package)" >&2
+    exit 2
+fi
 cd "$(dirname "$0")/.."
 python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/bench_exact.json
-python eval/bench_ppl.py --threads 2 --rounds 6 --out eval/results/bench_ppl.json
-python eval/bench_gap.py --threads 1 --streams 4 --stream-tokens 5120 --out eval/results/bench_gap.json
-python eval/gap_vs_chunk.py --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
-python eval/bench_ppl.py --threads 2 --rounds 6 --cache-size 193 --recent 128 --chunk-size 64 --policies h2o \
-    --out eval/results/bench_ppl_span_matched.json
+python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --out eval/results/bench_ppl.json
+python eval/bench_gap.py --data "$DATA" --threads 1 --streams 4 --stream-tokens 5120 --out eval/results/bench_gap.json
+python eval/gap_vs_chunk.py --data "$DATA" --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
+python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --cache-size 193 --recent 128 --chunk-size 64 \
+    --policies h2o --out eval/results/bench_ppl_span_matched.json
 # The long runs: h2o and sink as one-thread processes side by side (on 2 cores that beats one two-thread process),
 # checkpointed every 20k tokens; rerunning continues from the checkpoints exactly, a larger token count extends them.
 # Committed: cache 256 to 1,048,576 tokens (LONG_256_TOKENS), cache 128 and 512 to 350,000 (LONG_OTHER_TOKENS).
-LONG=(--data ../shared/data/gutenberg_pre1919.jsonl --chunk-size 256 --threads 1
-      --checkpoint-every 20000 --out eval/results/pg19_long --resume)
+LONG=(--data "$DATA" --chunk-size 256 --threads 1 --checkpoint-every 20000 --out eval/results/pg19_long --resume)
 long_run() {  # cache size, policy, tokens: in the background
     OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size "$1" --policy "$2" --tokens "$3" &
 }
