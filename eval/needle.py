@@ -1,7 +1,7 @@
 """Passkey (needle) retrieval through a fixed-size KV cache: what does the model keep from far back?
 
 A random five-digit passkey sentence ("The secret passkey is 48213. Remember it.") is inserted at a chosen depth into
-Gutenberg filler text (from the local corpus) of 4x-64x the cache size; the model reads the document through the
+Gutenberg filler text (from `--data`, default the sample shipped with h2o-stream) of 4x-64x the cache size; the model reads the document through the
 cache and is then asked "What is the secret passkey?" with the answer primed ("The secret passkey is"); it decodes a
 few tokens greedily and a cell scores 1 if the first number it writes is the passkey, digit for digit.
 
@@ -15,19 +15,17 @@ Cost saving: the cells of one (variant, trial) share reads: the filler is read o
 the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
 cell's chunks are `chunk` tokens counted from the filler's start and from its needle, cut short at branch points; for
 sink and window chunking does not change the numbers (banded mask), for h2o it moves eviction decisions slightly.
-The prompt is the library's (`h2o_stream.apps.summarize.summarize.build_prompt`): chat template, document in the user turn, question
-last.
+The prompt is summarize's (`h2o_stream.apps.summarize.build_prompt`): chat template, document in the user turn,
+question last. Reading is the engine's `feed`; answering is `h2o_stream.generation.generate` (greedy).
 
-    # the committed run (trial 1 was skipped: one trial took 20 min on one core of the shared 2-core machine)
-    flock /tmp/h2o-heavy.lock python eval/needle.py --policies h2o,sink,truncation,full --trials 2 --threads 1 \
-        --budget-minutes 20
+    # the committed run (trial 1 was skipped: one trial took 20 min on one core of a shared 2-core machine)
+    python eval/needle.py --policies h2o,sink,truncation,full --trials 2 --threads 1 --budget-minutes 20
     python eval/needle.py --lengths 1024 --depths 0,1 --trials 1 --policies h2o,truncation --no-write   # smoke test
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import re
@@ -38,11 +36,13 @@ from pathlib import Path
 
 import torch
 
-from h2o_stream import StreamingCache
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.apps.summarize import build_prompt, encode
 from h2o_stream.engine.feed import feed
-from h2o_stream.apps.summarize.summarize import Reader, build_prompt, encode
+from h2o_stream.files import atomic_path, write_json
+from h2o_stream.generation import Sampling, generate, stop_token_ids
+from h2o_stream.loading.corpus import SAMPLE, describe_source, read_book
 
-CORPUS = Path("/work/shared/data/gutenberg_pre1919.jsonl")
 RESULTS = Path(__file__).parent / "results"
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey?"
@@ -61,14 +61,15 @@ def parse_args(argv=None):
     parser.add_argument("--policies", default="h2o,sink,truncation", help=f"any of {','.join(VARIANTS)}")
     parser.add_argument("--trials", type=int, default=2)
     parser.add_argument("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes",
-                        help="filler book per trial (titles from the corpus, cycled)")
+                        help="filler book per trial (titles, or parts of titles, from --data; cycled)")
     parser.add_argument("--seed", type=int, default=1919)
     parser.add_argument("--new-tokens", type=int, default=8)
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1)")
     parser.add_argument("--budget-minutes", type=float, default=None,
                         help="start another trial only if it should finish within this many minutes in all")
-    parser.add_argument("--corpus", type=Path, default=CORPUS)
+    parser.add_argument("--data", default=SAMPLE,
+                        help="corpus with the filler books: 'sample' (shipped with h2o-stream) or a path")
     parser.add_argument("--out", type=Path, default=RESULTS / "needle", help="writes OUT.json and OUT.png")
     parser.add_argument("--no-write", action="store_true", help="print the table only")
     return parser.parse_args(argv)
@@ -77,17 +78,10 @@ def parse_args(argv=None):
 # --- the haystack ------------------------------------------------------------------------------------------------
 
 
-def make_trial(tokenizer, corpus: Path, title: str, rng: random.Random, max_tokens: int) -> dict:
+def make_trial(tokenizer, data: str, title: str, rng: random.Random, max_tokens: int) -> dict:
     """Filler token ids made of whole sentences, the sentence boundaries (token offsets), and a passkey."""
-    book = None
-    with open(corpus, encoding="utf-8") as lines:
-        for line in lines:
-            row = json.loads(line)
-            if row["short_book_title"] == title:
-                book = row["text"]
-                break
-    if book is None:
-        raise SystemExit(f"no book {title!r} in {corpus}")
+    _, chosen = read_book(data, title)
+    title, book = chosen.title, chosen.text
     start = int(len(book) * rng.uniform(0.1, 0.4))
     text = " ".join(book[start:start + max_tokens * 7].split())  # ~4 characters a token: plenty
     sentences = re.split(r"(?<=[.!?])\s+", text)[1:]  # drop the first, probably cut mid-sentence
@@ -121,6 +115,12 @@ def score(answer: str, passkey: int) -> int:
 # --- runs --------------------------------------------------------------------------------------------------------
 
 
+def reply(model, tokenizer, cache: StreamingCache, logits, new_tokens: int, stops: set[int]) -> str:
+    """The model's greedy answer (at most `new_tokens` tokens) after the prompt in `cache`."""
+    sampling = Sampling(temperature=0, max_new_tokens=new_tokens, seed=0)
+    return generate(model, tokenizer, cache, logits, sampling, stop_ids=stops).text.strip()
+
+
 def fork(model, policy, cache: StreamingCache) -> StreamingCache:
     copy = StreamingCache(model, policy)
     copy.load_state(cache.state())  # state() copies the tensors
@@ -140,12 +140,12 @@ def read_segments(model, cache, ids: list[int], stops: list[int], chunk: int, on
             on_stop(b)
 
 
-def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict], args, prompt, needle_ids) -> list:
+def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict], args, prompt, needle_ids,
+                 stops: set[int]) -> list:
     """All cells of one trial for a streamed variant, as a tree of shared reads: the filler is read once; at each
     needle position a branch (a copy of the cache) reads the needle and the filler after it; at each document end on
     that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
-    reader = Reader(model, tokenizer, policy=variant, cache_size=None if variant == "full" else args.cache_size,
-                    chunk_size=args.chunk_size)
+    policy = make_policy(variant, None if variant == "full" else args.cache_size)
     filler, chunk = trial["filler"], args.chunk_size
     context = model.config.max_position_embeddings
     out, runnable = [], []
@@ -163,16 +163,16 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
 
     def ask(branch, cell) -> None:
         began = time.perf_counter()
-        cache = fork(model, reader.policy, branch)
-        logits = reader.read(cache, prompt.suffix)
-        answer = reader.generate(cache, logits, args.new_tokens)
+        cache = fork(model, policy, branch)
+        logits = feed(model, cache, torch.tensor([prompt.suffix]), chunk)
+        answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
                     "evicted": cache.evicted, "seconds_answer": round(time.perf_counter() - began, 2)})
         print(f"  {variant:10s} trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
               f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
 
     def branch_at(p: int) -> None:
-        branch = fork(model, reader.policy, base)
+        branch = fork(model, policy, base)
         ids = needle_ids + filler[p:max(c["cut"] for c in by_ins[p])]
         groups: dict[int, list[dict]] = {}
         for c in by_ins[p]:
@@ -180,15 +180,16 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
         read_segments(model, branch, ids, list(groups), chunk,
                       lambda end: [ask(branch, c) for c in groups[end]])
 
-    base = reader.new_cache()
-    reader.read(base, prompt.prefix)
+    base = StreamingCache(model, policy)
+    feed(model, base, torch.tensor([prompt.prefix]), chunk)
     read_segments(model, base, filler, sorted(by_ins), chunk, branch_at)
     return out
 
 
-def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, prompt, needle_ids) -> list:
+def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, prompt, needle_ids,
+                   stops: set[int]) -> list:
     """The model sees the prompt, the document's last tokens and the question: B tokens in all."""
-    reader = Reader(model, tokenizer, policy="window", cache_size=args.cache_size, chunk_size=args.chunk_size)
+    policy = make_policy("window", args.cache_size)
     keep = args.cache_size - len(prompt.prefix) - len(prompt.suffix)
     if keep <= 0:
         raise SystemExit(f"cache size {args.cache_size} leaves no room for the document after the prompt")
@@ -197,9 +198,9 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
         filler, p, cut = trial["filler"], cell["ins"], cell["cut"]
         document = filler[:p] + needle_ids + filler[p:cut]
         tail = document[-keep:]
-        cache = reader.new_cache()
-        logits = reader.read(cache, prompt.prefix + tail + prompt.suffix)
-        answer = reader.generate(cache, logits, args.new_tokens)
+        cache = StreamingCache(model, policy)
+        logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size)
+        answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
         out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]), "needle_in_input": needle_seen,
                     "evicted": cache.evicted})
@@ -269,7 +270,8 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
     axes[0][0].set_ylabel("needle depth", fontsize=8)
     fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, label="passkey accuracy")
     fig.suptitle(title, fontsize=9)
-    fig.savefig(path, dpi=130, bbox_inches="tight")
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=130, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -305,7 +307,8 @@ def main(argv=None) -> None:
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = build_prompt(tokenizer, QUESTION, response_prefix=PRIMER)
     rng = random.Random(args.seed)
-    trials = [make_trial(tokenizer, args.corpus, books[t % len(books)], rng, max(lengths)) for t in range(args.trials)]
+    trials = [make_trial(tokenizer, args.data, books[t % len(books)], rng, max(lengths)) for t in range(args.trials)]
+    stops = stop_token_ids(tokenizer, model)
 
     started = time.perf_counter()
     results, done_trials, stopped = [], 0, None
@@ -327,9 +330,9 @@ def main(argv=None) -> None:
                                   "ins": ins, "passkey": trial["passkey"]})
             began = time.perf_counter()
             if variant == "truncation":
-                results += run_truncation(model, tokenizer, trial, cells, args, prompt, needle_ids)
+                results += run_truncation(model, tokenizer, trial, cells, args, prompt, needle_ids, stops)
             else:
-                results += run_streamed(model, tokenizer, variant, trial, cells, args, prompt, needle_ids)
+                results += run_streamed(model, tokenizer, variant, trial, cells, args, prompt, needle_ids, stops)
             print(f"{variant} trial {t}: {time.perf_counter() - began:.0f} s", flush=True)
         done_trials = t + 1
         if not args.no_write:
@@ -356,7 +359,8 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
                      "chat_template": prompt.chat, "scoring": "first number in the answer == passkey",
                      "chunking": "chunk_size tokens counted from the filler start and from each needle, cut short "
                                  "at shared branch points (needle positions, document ends)"},
-        "command": "flock /tmp/h2o-heavy.lock python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "data": describe_source(args.data),
         "versions": versions(model_name),
         "trials_completed": len(trials),
         "stopped": stopped,
@@ -368,7 +372,7 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
         "results": results,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+    write_json(args.out.with_suffix(".json"), payload)
     heatmap(results, variants, lengths, depths, args.cache_size, args.out.with_suffix(".png"),
             f"{model_name}: passkey retrieval, cache {args.cache_size} per layer & KV head, "
             f"{len(trials)} trial(s) per cell")

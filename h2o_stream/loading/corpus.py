@@ -127,8 +127,8 @@ def read_book(source: str | os.PathLike, book: int | str | None = None) -> tuple
         raise H2OStreamError(f"book {book!r} matches {len(partial)} titles ({names}): be more specific")
     chosen = chosen or first_partial
     if chosen is None:
-        raise H2OStreamError(f"no book {book!r} in {label} ({len(titles)} books, indices 0-{len(titles) - 1}): "
-                             f"e.g. {examples}")
+        count = f"{len(titles)} books, indices 0-{len(titles) - 1}" if len(titles) > 1 else "1 book, index 0"
+        raise H2OStreamError(f"no book {book!r} in {label} ({count}): e.g. {examples}")
     if not chosen[1].text.strip():
         raise H2OStreamError(f"book {chosen[0]} ({chosen[1].title!r}) of {label} is empty: it has no text")
     return chosen
