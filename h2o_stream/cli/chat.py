@@ -15,9 +15,11 @@ from pathlib import Path
 
 import click
 
-from h2o_stream.apps.chat.session import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
-from .options import cache_options, model_options
+from h2o_stream.apps.chat import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
+from h2o_stream.apps.chat.stats import format_stats, loaded_summary, size_text
 from h2o_stream.errors import H2OStreamError
+
+from .options import cache_options, model_options
 
 PROMPT = ">>> "
 HISTORY_LINES = 1000
@@ -39,25 +41,33 @@ still being read, it cancels that message."""
 @cache_options("h2o", DEFAULT_CACHE_SIZE)
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens of a user message per forward pass.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.7, show_default=True,
+@click.option("--temperature", type=click.FloatRange(min=0), default=Sampling.temperature, show_default=True,
               help="Sampling temperature; 0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=0.9, show_default=True,
-              help="Nucleus sampling: sample from the smallest set of tokens with this much probability.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=256, show_default=True,
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=Sampling.top_p,
+              show_default=True, help="Nucleus sampling: sample from the smallest set of tokens with this much "
+                                      "probability.")
+@click.option("--top-k", type=click.IntRange(min=0), default=Sampling.top_k, show_default=True,
+              help="Sample from the k most likely tokens only; 0 = no limit.")
+@click.option("--repetition-penalty", type=click.FloatRange(min=1), default=Sampling.repetition_penalty,
+              show_default=True, help="Penalty on tokens already in the reply (transformers' repetition_penalty); "
+                                      "1 = off.")
+@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=Sampling.no_repeat_ngram_size,
+              show_default=True, help="No run of this many tokens appears twice in a reply; 0 = off.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=Sampling.max_new_tokens, show_default=True,
               help="Longest reply, in tokens.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (default: random).")
 @click.option("--system", default=None, help="System prompt, given to the model once at the start.")
 @click.option("--load", "load_path", type=click.Path(dir_okay=False), default=None,
               help="Resume the session saved in this file (as /load does).")
-def chat(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, sinks, no_rolling, chunk_size,
-         temperature, top_p, max_new_tokens, seed, system, load_path):
+def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, temperature, top_p,
+         top_k, repetition_penalty, no_repeat_ngram_size, max_new_tokens, seed, system, load_path):
     """Endless chat with a local model in fixed memory.
 
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
     feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
     every line is one turn or command."""
-    from h2o_stream.loading.models import load_model
     from h2o_stream.engine.policies import make_policy
+    from h2o_stream.loading.models import load_model
 
     for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that cannot show a character gets a '?'
         if hasattr(stream, "reconfigure"):
@@ -65,12 +75,9 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, 
                 stream.reconfigure(errors="replace")
             except (ValueError, OSError):
                 pass
-    try:
-        size = int(cache_size)
-    except ValueError:
-        raise H2OStreamError(f"--cache-size must be a whole number, got {cache_size!r}") from None
-    eviction = make_policy(policy, None if policy == "full" else size, heavy=heavy, recent=recent, sinks=sinks)
-    sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed)
+    eviction = make_policy(policy, None if policy == "full" else cache_size, **parts)
+    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
+                        no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
     interactive = sys.stdin.isatty()
     _note(f"loading {model_spec or 'the default model'} ...")
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
@@ -82,7 +89,7 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, heavy, recent, 
         _note("note: the full policy never evicts: memory grows with the conversation")
     if load_path:
         session.load(load_path)
-        _note(_loaded_summary(session, load_path))
+        _note(loaded_summary(session, load_path))
     _note(f"{loaded.name} | {session.policy.describe()} | "
           + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin"))
     failures = Repl(session, interactive=interactive).run()
@@ -185,11 +192,11 @@ class Repl:
                     raise H2OStreamError(f"{name} needs a file name: {name} PATH")
                 if name == "/save":
                     path = self.session.save(argument)
-                    self.say(f"saved the session (turn {self.session.turns}, {_size(path.stat().st_size)}) "
+                    self.say(f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) "
                              f"to {path}")
                 else:
                     self.session.load(argument)
-                    self.say(_loaded_summary(self.session, argument))
+                    self.say(loaded_summary(self.session, argument))
             else:
                 raise H2OStreamError(f"unknown command {name}; type /help for the list "
                                      "(start a message with // to send a message that begins with /)")
@@ -231,45 +238,6 @@ class Repl:
     def say(self, text: str) -> None:
         self.out.write(text + "\n")
         self.out.flush()
-
-
-def format_stats(stats: dict) -> str:
-    budget = stats["cache_budget"]
-    occupancy = f"{stats['cache_slots']}/{budget if budget is not None else 'unbounded'}"
-    return "\n".join([
-        f"turns:           {stats['turns']}",
-        f"tokens seen:     {stats['tokens_seen']} (prompt {stats['prompt_tokens']}, "
-        f"generated {stats['generated_tokens']})",
-        f"cache occupancy: {occupancy} entries per layer and KV head, {stats['policy']}, "
-        f"{_size(stats['cache_bytes'])}",
-        f"evictions:       {stats['evicted']} entries (all layers and KV heads)",
-        f"speed:           last reply {stats['last_tokens_per_second']:.1f} tok/s, its prompt "
-        f"{stats['last_prompt_tokens_per_second']:.0f} tok/s; session {stats['tokens_per_second']:.1f} tok/s",
-        f"memory:          RSS {_size(stats['rss_bytes'])}",
-    ])
-
-
-def _loaded_summary(session: ChatSession, path) -> str:
-    stats = session.stats()
-    sampling = session.sampling
-    text = (f"resumed the session from {path}: {stats['turns']} turn(s), {stats['tokens_seen']} tokens seen, "
-            f"{stats['policy']}, temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, "
-            f"max-new-tokens {sampling.max_new_tokens}")
-    if session.system:
-        text += f", system prompt {_clip(session.system)!r}"
-    recent = session.recent_messages
-    if recent:
-        text += f"\nlast reply: {_clip(recent[-1]['content'], 200)}"
-    return text
-
-
-def _clip(text: str, limit: int = 60) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
-
-
-def _size(n: int) -> str:
-    return f"{n / 2**20:.1f} MiB"
 
 
 def _note(text: str) -> None:

@@ -1,5 +1,12 @@
-"""Endless chat with a fixed-size cache: the session (library) and its session file."""
+"""Endless chat with a fixed-size cache: the session (session.py), its chat formats (formats.py), its session file
+(session_file.py) and what it reports (stats.py). Replies are decoded by `h2o_stream.generation`; `Sampling` is
+re-exported from there."""
 
-from .session import ChatSession, Sampling, TurnResult
+from h2o_stream.generation import Sampling
 
-__all__ = ["ChatSession", "Sampling", "TurnResult"]
+from .formats import ChatFormat, PlainFormat, TemplateFormat, chat_format
+from .session import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession
+from .stats import TurnResult, format_stats, loaded_summary, rss_bytes
+
+__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE", "ChatFormat", "ChatSession", "PlainFormat", "Sampling",
+           "TemplateFormat", "TurnResult", "chat_format", "format_stats", "loaded_summary", "rss_bytes"]

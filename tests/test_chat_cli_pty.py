@@ -1,0 +1,116 @@
+"""`h2o-stream chat` in a terminal (pexpect): streaming, Ctrl-C, Ctrl-D; and the real default model end to end."""
+
+from __future__ import annotations
+
+import re
+import sys
+import time
+
+import pytest
+
+from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, real_model_available  # noqa: F401
+
+
+def spawn(args, timeout=120):
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(sys.executable, main_command(*args)[1:], env=ONE_THREAD, encoding="utf-8",
+                          timeout=timeout, dimensions=(40, 200))
+    return child
+
+
+def pexpect_eof():
+    import pexpect
+
+    return pexpect.EOF
+
+
+def test_terminal_ctrl_c_stops_a_reply_and_ctrl_d_exits(model_dir):
+    child = spawn(["--model", model_dir, "--max-new-tokens", 100000, "--temperature", 0])
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("hello world")
+        child.expect_exact("hello world\r\n")
+        child.expect(r"\S")  # the reply is streaming
+        time.sleep(0.5)
+        child.sendintr()
+        child.expect_exact("[stopped after")
+        child.expect_exact(">>> ")
+        child.sendline("/stats")
+        child.expect(r"turns:\s+1")
+        child.expect_exact(">>> ")
+        # Ctrl-C at the prompt must not end the session. (Whether a fresh prompt is printed depends on where the
+        # signal lands; once in a loaded CI run none came, so only survival is asserted here.)
+        child.sendintr()
+        time.sleep(0.3)
+        child.sendeof()
+        child.expect(pexpect_eof())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+
+def read_reply(child, prompt=">>> "):
+    """Everything up to the next prompt, as the chunks it arrived in."""
+    chunks, text = [], ""
+    deadline = time.monotonic() + 120
+    while not text.endswith(prompt):
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no prompt after: {text!r}")
+        try:
+            chunk = child.read_nonblocking(4096, timeout=1)
+        except Exception as error:
+            if type(error).__name__ == "TIMEOUT":
+                continue
+            raise
+        chunks.append((time.monotonic(), chunk))
+        text += chunk
+    return text[: -len(prompt)], chunks
+
+
+@pytest.mark.slow
+def test_real_model_in_a_terminal_three_turns_stats_save_and_resume_in_a_new_process(tmp_path):
+    real_model_available()
+    args = ["--temperature", 0, "--max-new-tokens", 24, "--cache-size", 64, "--threads", 1]
+    path = tmp_path / "session.pt"
+    child = spawn(args, timeout=300)
+    try:
+        child.expect_exact(">>> ", timeout=300)
+        for question in ["What is the capital of France?", "And of Italy?", "Name a famous painter from there."]:
+            child.sendline(question)
+            child.expect_exact(question + "\r\n")  # the terminal's echo
+            reply, chunks = read_reply(child)
+            assert re.search(r"[A-Za-z]{2}", reply), reply
+            assert len(chunks) > 1 and chunks[-1][0] - chunks[0][0] > 0.05, "the reply did not stream"
+        child.sendline("/stats")
+        stats, _ = read_reply(child)
+        occupancy = re.search(r"cache occupancy: (\d+)/(\d+)", stats)
+        assert occupancy and int(occupancy[1]) <= int(occupancy[2]) == 64, stats
+        assert re.search(r"turns:\s+3", stats) and re.search(r"evictions:\s+[1-9]", stats), stats
+        seen = re.search(r"tokens seen:\s+(\d+)", stats)[1]
+        child.sendline(f"/save {path}")
+        saved, _ = read_reply(child)
+        assert "saved the session (turn 3" in saved
+        child.sendline("Tell me one more thing.")
+        child.expect_exact("Tell me one more thing.\r\n")
+        fourth, _ = read_reply(child)
+        child.sendline("/exit")
+        child.expect(pexpect_eof())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
+
+    child = spawn(args, timeout=300)
+    try:
+        child.expect_exact(">>> ", timeout=300)
+        child.sendline(f"/load {path}")
+        loaded, _ = read_reply(child)
+        assert "resumed the session" in loaded and "3 turn(s)" in loaded and f"{seen} tokens seen" in loaded
+        child.sendline("Tell me one more thing.")
+        child.expect_exact("Tell me one more thing.\r\n")
+        again, _ = read_reply(child)
+        assert again == fourth  # greedy: the same session gives the same next reply
+        child.sendeof()
+        child.expect(pexpect_eof())
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0
