@@ -37,6 +37,9 @@ def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor
 
 
 class Oracle:
+    #: the policies whose cut rules `cut` spells out (the engine tests compare these)
+    POLICIES = ("full", "window", "sink", "h2o")
+
     def __init__(self, model, policy_name: str, *, sinks: int = 0, heavy: int = 0, recent: int = 0,
                  rolling: bool = True):
         config = model.config

@@ -5,12 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import Oracle
+from policy_matrix import ALL, EVICTING
 from tiny_models import FAMILIES, random_ids, tiny_model
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
-
-POLICIES = ["full", "window", "sink", "h2o"]
 
 
 def stream_logits(model, cache, ids, chunk=1):
@@ -18,12 +17,12 @@ def stream_logits(model, cache, ids, chunk=1):
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("policy", ALL)
 def test_budget_covering_stream_reproduces_plain_forward(family, policy):
     model = tiny_model(family)
     ids = random_ids(48)
     reference = model(ids, cache=DynamicCache(config=model.config)).logits[0]
-    cache = StreamingCache(model, make_policy(policy, None if policy == "full" else 64))
+    cache = StreamingCache(model, make_policy(policy, 64))  # a policy without parts (full) ignores the size
     logits = stream_logits(model, cache, ids)
     assert torch.allclose(logits, reference, atol=1e-5, rtol=0), (logits - reference).abs().max()
     assert cache.evicted == 0
@@ -39,13 +38,13 @@ def test_without_rolling_budget_covering_stream_reproduces_plain_forward(family)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("policy", ["h2o", "sink", "window"])
+@pytest.mark.parametrize("policy", [name for name in EVICTING if name in Oracle.POLICIES])
 @pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
 def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_heads, rolling):
     budget = 8
     model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
     spec = make_policy(policy, budget)
-    oracle = Oracle(model, policy, rolling=rolling, **{k: getattr(spec, k) for k in spec.parts})
+    oracle = Oracle(model, policy, rolling=rolling, **spec.split())
     cache = StreamingCache(model, spec, rolling=rolling)
     ids = random_ids(10 * budget, seed=kv_heads)
     for t in range(ids.shape[1]):
@@ -62,7 +61,7 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
         assert len(set(kept)) > 1
 
 
-@pytest.mark.parametrize("policy", ["h2o", "sink", "window"])
+@pytest.mark.parametrize("policy", EVICTING)
 def test_cache_tensors_stop_growing_at_the_budget(policy):
     model = tiny_model("llama")
     cache = StreamingCache(model, make_policy(policy, 12))
@@ -85,7 +84,7 @@ def test_generate_with_full_cache_matches_dynamic_cache():
     assert torch.equal(got, expected)
 
 
-@pytest.mark.parametrize("policy", ["h2o", "sink"])
+@pytest.mark.parametrize("policy", EVICTING)
 def test_generate_with_eviction_matches_a_manual_greedy_loop(policy):
     model = tiny_model("llama", init_std=0.2)
     prompt = random_ids(20)

@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from policy_matrix import BANDED, SCORED
 from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_model
 
 from h2o_stream import make_policy, stream_perplexity
@@ -28,7 +29,7 @@ def token_nlls(model, policy, ids, chunk_size):
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "llama_yarn", "mistral"])
-@pytest.mark.parametrize("policy", ["sink", "window"])
+@pytest.mark.parametrize("policy", BANDED)
 @pytest.mark.parametrize("chunk", [5, 32])
 def test_chunked_band_policies_equal_exact_mode_per_token(family, policy, chunk):
     model = tiny_model(family, init_std=0.2)
@@ -40,11 +41,12 @@ def test_chunked_band_policies_equal_exact_mode_per_token(family, policy, chunk)
     assert torch.allclose(chunked, exact, atol=1e-4, rtol=0), (chunked - exact).abs().max()
 
 
-def test_chunked_h2o_differs_from_exact_but_stays_close():
+@pytest.mark.parametrize("policy", SCORED)
+def test_chunked_scored_policies_differ_from_exact_but_stay_close(policy):
     """Chunked H2O attends over budget + chunk keys and decides once per chunk: not equal, measured in eval/."""
     model = tiny_model("llama", init_std=0.2)
     ids = random_ids(300)[0]
-    spec = make_policy("h2o", 24)
+    spec = make_policy(policy, 24)
     exact, chunked = token_nlls(model, spec, ids, 1), token_nlls(model, spec, ids, 16)
     assert not torch.allclose(exact, chunked, atol=1e-4)
     assert abs(exact.mean() - chunked.mean()) < 0.1 * exact.mean()

@@ -1,11 +1,14 @@
-"""Options shared by the commands: model loading, cache policy and budget, comma-separated lists."""
+"""Options shared by the commands: model loading, cache policy and budget (generated from the policy registry),
+comma-separated lists."""
 
 from __future__ import annotations
 
 import functools
+import inspect
 
 import click
 
+from h2o_stream.engine.policies import POLICIES, declared_parts
 from h2o_stream.errors import H2OStreamError
 
 
@@ -20,25 +23,40 @@ def model_options(command):
         click.option("--threads", type=click.IntRange(min=1), default=None,
                      help="torch CPU threads (default: torch's choice)."),
     ]
-    return functools.reduce(lambda f, option: option(f), reversed(options), command)
+    return _apply(options, command)
 
 
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
-    """--policy/--cache-size and the explicit split, --no-rolling, --chunk-size."""
+    """--policy, --cache-size, one option per budget part of the registered policies, and --no-rolling.
+
+    The command receives `policy` (a name; with `multiple`, a list of names), `cache_size` (an int; with `multiple`, a
+    list), `parts` (the parts given on the command line, e.g. {'heavy': 64}; pass them on as `**parts`) and
+    `no_rolling`. The part options are the union of every registered policy's declared parts, with their help.
+    """
+    several = " (comma-separated for several)" if multiple else ""
+    declared = declared_parts()
+
     def decorate(command):
+        @functools.wraps(command)
+        def with_parts(*args, **kwargs):
+            given = {name: kwargs.pop(name) for name in declared}
+            if "parts" not in inspect.signature(command).parameters:  # TEMPORARY until chat/summarize take parts
+                return command(*args, **given, **kwargs)
+            return command(*args, parts={k: v for k, v in given.items() if v is not None}, **kwargs)
+
         options = [
             click.option("--policy", default=default_policy, show_default=True,
-                         help="full, window, sink or h2o" + (" (comma-separated for several)" if multiple else "")),
+                         callback=_parse_policy if multiple else None,
+                         help=f"Eviction policy: {', '.join(POLICIES)}{several}."),
             click.option("--cache-size", default=str(default_size), show_default=True,
-                         help="KV entries kept per layer and KV head" + (" (comma-separated)" if multiple else "")),
-            click.option("--heavy", type=int, default=None, help="h2o: heavy-hitter slots (default: half)."),
-            click.option("--recent", type=int, default=None,
-                         help="Recent-window slots (default: h2o half, sink size-sinks)."),
-            click.option("--sinks", type=int, default=None, help="sink: attention-sink slots (default 4)."),
+                         callback=_parse_sizes if multiple else _parse_size,
+                         help=f"KV entries kept per layer and KV head{several}."),
+            *(click.option(f"--{name}", name, type=int, default=None, metavar="SLOTS", help=_part_help(policies))
+              for name, policies in declared.items()),
             click.option("--no-rolling", is_flag=True,
                          help="Keep true stream positions instead of rolling keys to their cache slot."),
         ]
-        return functools.reduce(lambda f, option: option(f), reversed(options), command)
+        return _apply(options, with_parts)
     return decorate
 
 
@@ -51,3 +69,31 @@ def parse_list(text: str, convert, label: str) -> list:
         return [convert(item) for item in items]
     except ValueError:
         raise H2OStreamError(f"{label} must be a comma-separated list, got {text!r}") from None
+
+
+def _part_help(policies) -> str:
+    """'h2o, sink: recent-window slots (default: ...)' from the declarations of the policies taking this part."""
+    described: dict[tuple[str, str], list[str]] = {}
+    for policy, part in policies:
+        described.setdefault((part.help, part.default_text), []).append(policy)
+    return "; ".join(f"{', '.join(names)}: {text} (default: {default})"
+                     for (text, default), names in described.items()) + "."
+
+
+def _parse_policy(ctx, param, value) -> list[str]:
+    return parse_list(value, str, "--policy")
+
+
+def _parse_sizes(ctx, param, value) -> list[int]:
+    return parse_list(value, int, "--cache-size")
+
+
+def _parse_size(ctx, param, value) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise H2OStreamError(f"--cache-size must be a whole number, got {value!r}") from None
+
+
+def _apply(options, command):
+    return functools.reduce(lambda f, option: option(f), reversed(options), command)

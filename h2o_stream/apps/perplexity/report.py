@@ -1,10 +1,17 @@
-"""Result files: the PPL-vs-tokens plot and the summary table (JSON goes through h2o_stream.files)."""
+"""Result files: the PPL-vs-tokens plot and the summary table (JSON goes through h2o_stream.files).
+
+The budget split of a result is read from its settings by its policy's declared parts, so a new policy needs nothing
+here; each policy gets its own line style in the order the policies first appear.
+"""
 
 from __future__ import annotations
 
 import os
 
+from h2o_stream.engine.policies import policy_class
 from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for callers)
+
+LINE_STYLES = ("-", "--", ":", "-.")
 
 
 def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> None:
@@ -15,14 +22,14 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
-    styles = {"h2o": "-", "sink": "--", "window": ":", "full": "-."}
-    for result in sorted(results, key=lambda r: (r["settings"]["policy"], _size(r))):
+    policies = list(dict.fromkeys(r["settings"]["policy"] for r in results))
+    for result in sorted(results, key=lambda r: (r["settings"]["policy"], cache_size(r) or 0)):
         curve = result["curve"]
         if not curve:
             continue
-        settings = result["settings"]
-        ax.plot([c[0] for c in curve], [c[1] for c in curve], styles.get(settings["policy"], "-"),
-                label=f"{settings['policy']} {_size(result) or 'full'} (ppl {result['ppl']:.2f})")
+        policy = result["settings"]["policy"]
+        ax.plot([c[0] for c in curve], [c[1] for c in curve], LINE_STYLES[policies.index(policy) % len(LINE_STYLES)],
+                label=f"{policy} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})")
     ax.set_xlabel("tokens")
     ax.set_ylabel("running perplexity")
     ax.set_title(title, fontsize=10)
@@ -35,19 +42,25 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
 
 
 def summary_table(results: list[dict]) -> str:
+    """One row per result: policy, split, cache size, tokens, PPL, speed, peak RSS."""
     rows = [("policy", "split", "cache", "tokens", "ppl", "tok/s", "peak RSS")]
     for r in results:
-        s = r["settings"]
-        split = " ".join(f"{k}={s[k]}" for k in ("sinks", "heavy", "recent") if k in s)
-        rows.append((s["policy"], split or "-", str(_size(r) or "-"), f"{r['tokens_fed']:,}", f"{r['ppl']:.3f}",
-                     f"{r['tokens_per_second']:.0f}", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"))
+        split = " ".join(f"{k}={v}" for k, v in budget_split(r).items())
+        rows.append((r["settings"]["policy"], split or "-", str(cache_size(r) or "-"), f"{r['tokens_fed']:,}",
+                     f"{r['ppl']:.3f}", f"{r['tokens_per_second']:.0f}", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
 
-def _size(result: dict) -> int | None:
-    s = result["settings"]
-    parts = [s[k] for k in ("sinks", "heavy", "recent") if k in s]
-    return sum(parts) if parts else None
+def budget_split(result: dict) -> dict[str, int]:
+    """The result's budget parts as its policy declares them, e.g. {'heavy': 128, 'recent': 128}; {} for full."""
+    settings = result["settings"]
+    return {name: settings[name] for name in policy_class(settings["policy"]).part_names()}
+
+
+def cache_size(result: dict) -> int | None:
+    """The result's cache size (the sum of its parts); None for a policy without parts (full)."""
+    split = budget_split(result)
+    return sum(split.values()) if split else None

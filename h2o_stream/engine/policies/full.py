@@ -13,16 +13,7 @@ from .registry import register
 @register
 @dataclass
 class FullPolicy(EvictionPolicy):
-    name = "full"
-    parts = ()
-
-    @classmethod
-    def from_budget(cls, cache_size):
-        return cls()
-
-    @property
-    def budget(self) -> None:
-        return None
+    name = "full"  # no parts: the budget is None (unbounded) and a cache size is ignored
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         raise AssertionError("the full policy never evicts")

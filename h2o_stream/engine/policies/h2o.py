@@ -10,8 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_stream.errors import H2OStreamError
-from .base import EvictionPolicy, _need_size, check_count, last_slots
+from .base import RECENT, EvictionPolicy, Part, last_slots
 from .registry import register
 
 
@@ -22,24 +21,8 @@ class H2OPolicy(EvictionPolicy):
     recent: int
     name = "h2o"
     needs_scores = True
-    parts = ("heavy", "recent")
-
-    @classmethod
-    def from_budget(cls, cache_size, heavy=None, recent=None):
-        _need_size(cls.name, cache_size)
-        if heavy is None:
-            heavy = cache_size // 2 if recent is None else cache_size - recent
-        return cls(heavy=heavy, recent=cache_size - heavy if recent is None else recent)
-
-    def __post_init__(self):
-        check_count("heavy", self.heavy)
-        check_count("recent", self.recent)
-        if self.heavy + self.recent < 1:
-            raise H2OStreamError("h2o policy needs heavy + recent >= 1")
-
-    @property
-    def budget(self) -> int:
-        return self.heavy + self.recent
+    parts = (Part("heavy", "heavy-hitter slots, the highest-scored older entries", share=0.5),  # the paper's split
+             RECENT)
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]

@@ -1,20 +1,44 @@
-"""Policy names → classes. A new policy is one file with `@register` on its class, plus its import in __init__."""
+"""Policy names → classes. A new policy is one file in this folder with `@register` on its class (the package imports
+every module of the folder)."""
 
 from __future__ import annotations
 
 from h2o_stream.errors import H2OStreamError
 
-POLICIES: dict[str, type] = {}
+from .base import EvictionPolicy, Part
+
+POLICIES: dict[str, type[EvictionPolicy]] = {}
 
 
-def register(cls):
-    POLICIES[cls.name] = cls
+def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
+    """Class decorator: make `cls` available by `cls.name` (to make_policy, the command line and the results)."""
+    name = getattr(cls, "name", None)
+    if not isinstance(name, str) or not name:
+        raise H2OStreamError(f"{cls.__qualname__} needs a class attribute `name` to be registered")
+    names = cls.part_names()
+    if len(set(names)) != len(names) or sum(part.is_rest for part in cls.parts) > 1:
+        raise H2OStreamError(f"{cls.__qualname__}.parts needs distinct names and at most one rest part")
+    known = POLICIES.get(name)
+    if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
+        raise H2OStreamError(f"policy name {name!r} is taken by {known.__module__}.{known.__qualname__}")
+    POLICIES[name] = cls
     return cls
 
 
-def policy_class(name: str) -> type:
+def policy_class(name: str) -> type[EvictionPolicy]:
+    """The registered class called `name`, or an H2OStreamError listing the known names."""
     try:
         return POLICIES[name]
     except KeyError:
         known = ", ".join(sorted(POLICIES))
         raise H2OStreamError(f"unknown policy {name!r}; choose one of: {known}") from None
+
+
+def declared_parts() -> dict[str, list[tuple[str, Part]]]:
+    """Every budget part any registered policy takes: part name → [(policy name, its declaration)], in registry
+    order. The command line makes one option per part from this."""
+    parts: dict[str, list[tuple[str, Part]]] = {}
+    for name, cls in POLICIES.items():
+        for part in cls.parts:
+            parts.setdefault(part.name, []).append((name, part))
+    return parts

@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from h2o_stream.errors import H2OStreamError
-from .base import EvictionPolicy, _need_size, check_count, last_slots
+from .base import RECENT, EvictionPolicy, Part, last_slots
 from .registry import register
 
 
@@ -17,25 +16,8 @@ class SinkPolicy(EvictionPolicy):
     sinks: int
     recent: int
     name = "sink"
-    parts = ("sinks", "recent")
-    default_sinks = 4  # StreamingLLM's choice
-
-    @classmethod
-    def from_budget(cls, cache_size, sinks=None, recent=None):
-        _need_size(cls.name, cache_size)
-        if sinks is None:
-            sinks = min(cls.default_sinks, cache_size) if recent is None else cache_size - recent
-        return cls(sinks=sinks, recent=cache_size - sinks if recent is None else recent)
-
-    def __post_init__(self):
-        check_count("sinks", self.sinks)
-        check_count("recent", self.recent)
-        if self.sinks + self.recent < 1:
-            raise H2OStreamError("sink policy needs sinks + recent >= 1")
-
-    @property
-    def budget(self) -> int:
-        return self.sinks + self.recent
+    parts = (Part("sinks", "attention-sink slots, the stream's first tokens", fixed=4),  # StreamingLLM's choice
+             RECENT)
 
     def band(self) -> tuple[int, int]:
         return self.sinks, self.recent
@@ -45,4 +27,3 @@ class SinkPolicy(EvictionPolicy):
         n = positions.shape[-1]
         first = torch.arange(self.sinks, device=positions.device).expand(*positions.shape[:2], self.sinks)
         return torch.cat([first, last_slots(n, self.recent, positions)], dim=-1)
-

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictionPolicy, _need_size, check_count, last_slots
+from .base import RECENT, EvictionPolicy, last_slots
 from .registry import register
 
 
@@ -15,19 +15,7 @@ from .registry import register
 class WindowPolicy(EvictionPolicy):
     recent: int
     name = "window"
-    parts = ("recent",)
-
-    @classmethod
-    def from_budget(cls, cache_size, recent=None):
-        _need_size(cls.name, cache_size)
-        return cls(recent=cache_size if recent is None else recent)
-
-    def __post_init__(self):
-        check_count("recent", self.recent, minimum=1)
-
-    @property
-    def budget(self) -> int:
-        return self.recent
+    parts = (RECENT,)
 
     def band(self) -> tuple[int, int]:
         return 0, self.recent
