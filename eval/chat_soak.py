@@ -1,33 +1,34 @@
 """Soak test for `ChatSession`: hundreds of turns in one session, memory and speed sampled after every turn.
 
-The claim under test (issue #4): with a fixed-size cache the chat's memory never grows and its speed does not
-degrade, however long the conversation. User turns are passages from the local Gutenberg corpus (lengths varied,
-some alone longer than the cache) with a short instruction; replies are sampled.
+The claim under test: with a fixed-size cache the chat's memory never grows and its speed does not degrade, however
+long the conversation. User turns are passages from a corpus (`--data`, default the sample shipped with
+h2o-stream; lengths varied, some alone longer than the cache) with a short instruction; replies are sampled with
+the chat's settings.
 
 Pass criteria: RSS after the last turn <= 1.05 x RSS after turn 10, and generation speed flat (last / turn 10; since a
 single turn's speed is noisy on a shared machine, the median of the last 10 turns over the median of turns 10-19 is
-reported too). Writes JSON (settings, versions, per-turn series, ratios, the command) and a PNG.
+reported too). Writes JSON (settings, corpus, versions, per-turn series, ratios, the command) and a PNG.
 
-    flock /tmp/h2o-heavy.lock python eval/chat_soak.py            # ~10-20 min on 2 CPU cores
+    python eval/chat_soak.py                         # ~10-20 min on 2 CPU cores
+    python eval/chat_soak.py --plot-only eval/results/chat_soak.json
 """
 
 from __future__ import annotations
 
-import json
 import os
-import platform
 import random
-import shlex
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import click
 import torch
+from common import data_option, environment, main_or_replot, new_figure, save_figure, write_json
+
+from h2o_stream.generation import Sampling
+from h2o_stream.loading.corpus import describe_source, iter_books
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = Path("/work/shared/data/gutenberg_pre1919.jsonl")
 INSTRUCTIONS = [
     "Summarize this passage in one sentence:",
     "Who is speaking here, and what do they want?",
@@ -38,16 +39,14 @@ INSTRUCTIONS = [
 ]
 
 
-def paragraphs(path: Path, books: int) -> list[str]:
+def paragraphs(data: str, books: int) -> list[str]:
     """Paragraphs (blank-line separated, line breaks joined) of the first `books` books, at least 80 characters."""
     out = []
-    with open(path, encoding="utf-8") as lines:
-        for _, line in zip(range(books), lines):
-            text = json.loads(line)["text"]
-            for block in text.split("\n\n"):
-                block = " ".join(block.split())
-                if len(block) >= 80:
-                    out.append(block)
+    for _, book in zip(range(books), iter_books(data)):
+        for block in book.text.split("\n\n"):
+            block = " ".join(block.split())
+            if len(block) >= 80:
+                out.append(block)
     return out
 
 
@@ -64,14 +63,11 @@ def user_turns(pool: list[str], tokenizer, rng: random.Random):
         yield f"{rng.choice(INSTRUCTIONS)}\n\n{text}"
 
 
-def plot(series: dict, summary: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(result: dict, path) -> None:
+    """RSS, generation speed and cache occupancy per turn, from a result JSON."""
+    series, summary = result["series"], result["summary"]
     turns = series["turn"]
-    fig, (ax_rss, ax_speed, ax_cache) = plt.subplots(3, 1, figsize=(9, 9), sharex=True)
+    fig, (ax_rss, ax_speed, ax_cache) = new_figure(3, 1, size=(9, 9))
     rss = [b / 2**20 for b in series["rss_bytes"]]
     ax_rss.plot(turns, rss, lw=1.2, label="RSS")
     reference = summary["rss_after_turn_10_bytes"] / 2**20
@@ -80,8 +76,6 @@ def plot(series: dict, summary: dict, path: Path) -> None:
     ax_rss.set_ylabel("RSS (MiB)")
     ax_rss.set_ylim(0, max(max(rss), 1.05 * reference) * 1.15)
     ax_rss.legend(loc="lower right", fontsize=8)
-    ax_rss.set_title(f"chat soak: {summary['turns']} turns, {summary['tokens_seen']} tokens, "
-                     f"{summary['policy']} (cache {summary['cache_size']})", fontsize=10)
 
     ax_speed.plot(turns, series["decode_tokens_per_second"], lw=0.8, alpha=0.6, label="generation, per turn")
     window = 10
@@ -98,16 +92,8 @@ def plot(series: dict, summary: dict, path: Path) -> None:
     ax_cache.set_ylabel("tokens")
     ax_cache.set_xlabel("turn")
     ax_cache.legend(loc="upper right", fontsize=8)
-    fig.tight_layout()
-    partial = path.with_name(f".{path.name}.partial.png")
-    fig.savefig(partial, dpi=110)
-    os.replace(partial, path)
-
-
-def write_json(data: dict, path: Path) -> None:
-    partial = path.with_name(f".{path.name}.partial")
-    partial.write_text(json.dumps(data, indent=1) + "\n")
-    os.replace(partial, path)
+    save_figure(fig, path, f"chat soak: {summary['turns']} turns, {summary['tokens_seen']} tokens, "
+                           f"{summary['policy']} (cache {summary['cache_size']})")
 
 
 @click.command()
@@ -117,37 +103,37 @@ def write_json(data: dict, path: Path) -> None:
 @click.option("--turns", default=200, show_default=True, help="At least this many turns ...")
 @click.option("--min-tokens", default=50_000, show_default=True, help="... and at least this many tokens seen.")
 @click.option("--max-new-tokens", default=40, show_default=True)
-@click.option("--temperature", default=0.7, show_default=True)
-@click.option("--top-p", default=0.9, show_default=True)
+@click.option("--temperature", default=Sampling.temperature, show_default=True)
+@click.option("--top-p", default=Sampling.top_p, show_default=True)
+@click.option("--repetition-penalty", default=Sampling.repetition_penalty, show_default=True)
+@click.option("--no-repeat-ngram-size", default=Sampling.no_repeat_ngram_size, show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=2, show_default=True)
-@click.option("--data", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=DEFAULT_DATA,
-              show_default=True)
+@data_option
+@click.option("--books", default=21, show_default=True, help="Read passages from at most this many books of --data.")
 @click.option("--out", type=click.Path(path_type=Path), default=REPO / "eval/results/chat_soak.json",
               show_default=True, help="JSON path; the PNG goes beside it.")
-def main(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temperature, top_p, seed, threads, data,
-         out):
+def main(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temperature, top_p, repetition_penalty,
+         no_repeat_ngram_size, seed, threads, data, books, out):
     torch.set_num_threads(threads)
-    import transformers
-
     from h2o_stream import make_policy
-    from h2o_stream.apps.chat.session import ChatSession, Sampling, rss_bytes
+    from h2o_stream.apps.chat import ChatSession, rss_bytes
     from h2o_stream.loading.models import load_model
 
-    command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
     loaded = load_model(model_spec, threads=threads)
-    session = ChatSession(loaded.model, loaded.tokenizer, policy=make_policy(policy, cache_size),
-                          sampling=Sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens,
-                                            seed=seed), model_name=loaded.name)
+    sampling = Sampling(temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
+                        no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
+    session = ChatSession(loaded.model, loaded.tokenizer, policy=make_policy(policy, cache_size), sampling=sampling,
+                          model_name=loaded.name)
     rng = random.Random(seed)
-    messages = user_turns(paragraphs(data, books=21), loaded.tokenizer, rng)
+    messages = user_turns(paragraphs(data, books), loaded.tokenizer, rng)
     keys = ["turn", "prompt_tokens", "generated_tokens", "stop_reason", "decode_tokens_per_second",
             "prompt_tokens_per_second", "rss_bytes", "cache_slots", "tokens_seen", "evicted", "elapsed_s", "load_1m"]
     series = {k: [] for k in keys}
     start = time.perf_counter()
     turn = 0
-    print(f"chat soak: {loaded.name}, {session.policy.describe()}, >= {turns} turns and >= {min_tokens} tokens",
-          flush=True)
+    print(f"chat soak: {loaded.name}, {session.policy.describe()}, {describe_source(data)}, >= {turns} turns and "
+          f">= {min_tokens} tokens", flush=True)
     while turn < turns or session.stats()["tokens_seen"] < min_tokens:
         turn += 1
         result = session.chat(next(messages))
@@ -195,22 +181,19 @@ def main(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temp
     summary["cache_within_budget"] = summary["max_cache_slots"] <= cache_size
     result = {
         "benchmark": "chat_soak",
-        "command": command,
-        "note": "run under `flock /tmp/h2o-heavy.lock` on a shared 2-core machine; load_1m in the series is the "
-                "1-minute load average after each turn (other engineers' jobs slow generation down)",
+        "note": "load_1m in the series is the 1-minute load average after each turn (other jobs on the machine slow "
+                "generation down)",
         "settings": {"model": loaded.name, "policy": policy, "cache_size": cache_size, "turns": turns,
-                     "min_tokens": min_tokens, "max_new_tokens": max_new_tokens, "temperature": temperature,
-                     "top_p": top_p, "seed": seed, "threads": threads, "chunk_size": session.chunk_size,
-                     "data": str(data)},
-        "versions": {"python": platform.python_version(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "platform": platform.platform(),
-                     "cpus": os.cpu_count()},
+                     "min_tokens": min_tokens, "sampling": vars(sampling), "threads": threads,
+                     "chunk_size": session.chunk_size, "data": data, "books": books},
+        "corpus": describe_source(data),
+        "environment": environment(),
         "summary": summary,
         "series": series,
     }
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(result, out)
-    plot(series, summary, out.with_suffix(".png"))
+    write_json(out, result)
+    plot(result, out.with_suffix(".png"))
     print(f"RSS last / after turn 10: {rss_ratio:.4f} ({rss[-1] / 2**20:.1f} / {rss[9] / 2**20:.1f} MiB) "
           f"-> {'flat' if summary['rss_flat'] else 'GREW'}")
     print(f"tok/s last / turn 10: {speed_ratio:.3f} ({speeds[-1]:.2f} / {speeds[9]:.2f}); median of last 10 / "
@@ -220,4 +203,4 @@ def main(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temp
 
 
 if __name__ == "__main__":
-    main()
+    main_or_replot(main, plot)
