@@ -4,7 +4,6 @@ comma-separated lists."""
 from __future__ import annotations
 
 import functools
-import inspect
 
 import click
 
@@ -40,8 +39,6 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
         @functools.wraps(command)
         def with_parts(*args, **kwargs):
             given = {name: kwargs.pop(name) for name in declared}
-            if "parts" not in inspect.signature(command).parameters:  # TEMPORARY until chat/summarize take parts
-                return command(*args, **given, **kwargs)
             return command(*args, parts={k: v for k, v in given.items() if v is not None}, **kwargs)
 
         options = [

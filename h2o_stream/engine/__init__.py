@@ -4,7 +4,7 @@ the loop that streams tokens through it. Imports nothing from the layers above (
 from .cache import StreamingCache, StreamingLayer
 from .feed import chunks, feed
 from .hooks import attach
-from .policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
+from .policies import POLICIES, EvictionPolicy, Part, declared_parts, make_policy, policy_class, register
 
-__all__ = ["POLICIES", "EvictionPolicy", "StreamingCache", "StreamingLayer", "attach", "chunks", "feed", "make_policy",
-           "policy_class", "register"]
+__all__ = ["POLICIES", "EvictionPolicy", "Part", "StreamingCache", "StreamingLayer", "attach", "chunks",
+           "declared_parts", "feed", "make_policy", "policy_class", "register"]
