@@ -225,11 +225,12 @@ def token_pieces(texts_or_ids, tokenizer=None) -> Iterator[tuple[int, torch.Tens
 def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
                       cache_size: int | None = 256, chunk_size: int = 64, rolling: bool = True,
                       reset_per_book: bool = False, max_tokens: int | None = None, curve_every: int = 1000,
-                      heavy: int | None = None, recent: int | None = None, sinks: int | None = None
-                      ) -> PerplexityResult:
-    """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache."""
+                      **parts: int | None) -> PerplexityResult:
+    """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache.
+
+    `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them."""
     if not isinstance(policy, EvictionPolicy):
-        policy = make_policy(policy, cache_size, heavy=heavy, recent=recent, sinks=sinks)
+        policy = make_policy(policy, cache_size, **parts)
     run = PerplexityRun(model, policy, chunk_size=chunk_size, rolling=rolling, curve_every=curve_every,
                         reset_per_book=reset_per_book)
     run.run(token_pieces(tokens_or_texts, tokenizer), limit=max_tokens)
