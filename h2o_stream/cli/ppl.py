@@ -20,7 +20,8 @@ from .options import cache_options, model_options
 @click.option("--exact", is_flag=True, help="Token-by-token reference mode (chunk size 1).")
 @click.option("--tokens", type=int, default=100_000, show_default=True, help="Stream tokens to evaluate per run.")
 @click.option("--data", type=click.Path(), default=None,
-              help="Local corpus: .jsonl/.parquet (PG-19 columns) or .txt, or a directory. Default: PG-19 test "
+              help="'sample' (the public-domain books shipped with h2o-stream), or a local corpus: "
+                   ".jsonl/.parquet (PG-19 columns) or .txt (also gzipped), or a directory. Default: PG-19 test "
                    "split from the Hugging Face Hub.")
 @click.option("--skip-tokens", type=click.IntRange(min=0), default=0, help="Start this far into the stream.")
 @click.option("--reset-per-book", is_flag=True, help="Empty the cache at each book instead of carrying it over.")
