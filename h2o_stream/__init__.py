@@ -5,17 +5,11 @@ engine (cache, attention, policies, feed) <- generation (the decode loop) / load
 <- apps (perplexity, chat, summarize) <- cli.
 """
 
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("h2o-stream")
-except PackageNotFoundError:  # running from a source tree that was never installed
-    __version__ = "0+unknown"
-
 from .apps.perplexity import PerplexityResult, stream_perplexity  # noqa: E402
 from .apps.summarize import SummaryResult, summarize  # noqa: E402
 from .engine import POLICIES, EvictionPolicy, StreamingCache, attach, make_policy, register  # noqa: E402
 from .errors import H2OStreamError  # noqa: E402
+from .version import __version__  # noqa: E402
 
 __all__ = ["H2OStreamError", "EvictionPolicy", "POLICIES", "PerplexityResult", "StreamingCache", "attach", "make_policy",
            "register", "stream_perplexity", "SummaryResult", "summarize", "__version__"]

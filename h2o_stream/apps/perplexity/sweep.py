@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -21,6 +20,7 @@ from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
+from h2o_stream.version import __version__
 from .report import plot_curves
 from .run import PerplexityRun, skip_tokens_of
 
@@ -145,11 +145,5 @@ def result_record(run: PerplexityRun, requested_tokens: int, command: str) -> di
 
 def versions() -> dict:
     """The versions a result was made with, and torch's thread count (it changes speed, not results)."""
-    # h2o_stream.__version__ is this same package metadata; importing the root package from an application would
-    # import every application (the applications are independent of each other).
-    try:
-        package = version("h2o-stream")
-    except PackageNotFoundError:
-        package = "0+unknown"
-    return {"h2o_stream": package, "torch": torch.__version__, "transformers": transformers.__version__,
+    return {"h2o_stream": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
             "python": platform.python_version(), "threads": torch.get_num_threads()}
