@@ -25,6 +25,7 @@ import click
 import torch
 from common import data_option, environment, main_or_replot, new_figure, save_figure, write_json
 
+from h2o_stream.apps.chat import CHAT_SAMPLING
 from h2o_stream.generation import Sampling
 from h2o_stream.loading.corpus import describe_source, iter_books
 
@@ -103,10 +104,10 @@ def plot(result: dict, path) -> None:
 @click.option("--turns", default=200, show_default=True, help="At least this many turns ...")
 @click.option("--min-tokens", default=50_000, show_default=True, help="... and at least this many tokens seen.")
 @click.option("--max-new-tokens", default=40, show_default=True)
-@click.option("--temperature", default=Sampling.temperature, show_default=True)
-@click.option("--top-p", default=Sampling.top_p, show_default=True)
-@click.option("--repetition-penalty", default=Sampling.repetition_penalty, show_default=True)
-@click.option("--no-repeat-ngram-size", default=Sampling.no_repeat_ngram_size, show_default=True)
+@click.option("--temperature", default=CHAT_SAMPLING["temperature"], show_default=True)
+@click.option("--top-p", default=CHAT_SAMPLING["top_p"], show_default=True)
+@click.option("--repetition-penalty", default=CHAT_SAMPLING["repetition_penalty"], show_default=True)
+@click.option("--no-repeat-ngram-size", default=CHAT_SAMPLING["no_repeat_ngram_size"], show_default=True)
 @click.option("--seed", default=0, show_default=True)
 @click.option("--threads", default=2, show_default=True)
 @data_option

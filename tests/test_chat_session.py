@@ -7,7 +7,7 @@ import torch
 
 from chat_helpers import TRAINING_TEXTS, assert_same_state, session_for, session_state  # noqa: F401
 from h2o_stream import H2OStreamError
-from h2o_stream.apps.chat import chat_format
+from h2o_stream.apps.chat import CHAT_SAMPLING, ChatSession, chat_format
 from tiny_models import tiny_llama
 
 
@@ -77,6 +77,13 @@ def test_cache_never_exceeds_the_budget_across_many_turns(model, tokenizer, poli
     stats = session.stats()
     assert stats["turns"] == 25 and stats["cache_slots"] == budget == stats["cache_budget"]
     assert stats["evicted"] > 0 and stats["tokens_seen"] > 10 * budget and stats["rss_bytes"] > 0
+
+
+def test_a_session_samples_with_the_chat_defaults_unless_told_otherwise(model, tokenizer):
+    sampling = ChatSession(model, tokenizer).sampling
+    assert {k: getattr(sampling, k) for k in CHAT_SAMPLING} == CHAT_SAMPLING
+    assert sampling.repetition_penalty > 1 and not sampling.greedy  # the defaults guard against loops
+    assert ChatSession(model, tokenizer).sampling.seed != sampling.seed  # a random seed each time
 
 
 @pytest.mark.parametrize("text", ["", "   ", "\n\t"])

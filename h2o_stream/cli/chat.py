@@ -15,7 +15,7 @@ from pathlib import Path
 
 import click
 
-from h2o_stream.apps.chat import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
+from h2o_stream.apps.chat import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
 from h2o_stream.apps.chat.stats import format_stats, loaded_summary, size_text
 from h2o_stream.errors import H2OStreamError
 
@@ -41,20 +41,20 @@ still being read, it cancels that message."""
 @cache_options("h2o", DEFAULT_CACHE_SIZE)
 @click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
               help="Tokens of a user message per forward pass.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=Sampling.temperature, show_default=True,
-              help="Sampling temperature; 0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=Sampling.top_p,
+@click.option("--temperature", type=click.FloatRange(min=0), default=CHAT_SAMPLING["temperature"],
+              show_default=True, help="Sampling temperature; 0 = greedy.")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=CHAT_SAMPLING["top_p"],
               show_default=True, help="Nucleus sampling: sample from the smallest set of tokens with this much "
                                       "probability.")
-@click.option("--top-k", type=click.IntRange(min=0), default=Sampling.top_k, show_default=True,
+@click.option("--top-k", type=click.IntRange(min=0), default=CHAT_SAMPLING["top_k"], show_default=True,
               help="Sample from the k most likely tokens only; 0 = no limit.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=1), default=Sampling.repetition_penalty,
+@click.option("--repetition-penalty", type=click.FloatRange(min=1), default=CHAT_SAMPLING["repetition_penalty"],
               show_default=True, help="Penalty on tokens already in the reply (transformers' repetition_penalty); "
                                       "1 = off.")
-@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=Sampling.no_repeat_ngram_size,
+@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=CHAT_SAMPLING["no_repeat_ngram_size"],
               show_default=True, help="No run of this many tokens appears twice in a reply; 0 = off.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=Sampling.max_new_tokens, show_default=True,
-              help="Longest reply, in tokens.")
+@click.option("--max-new-tokens", type=click.IntRange(min=1), default=CHAT_SAMPLING["max_new_tokens"],
+              show_default=True, help="Longest reply, in tokens.")
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (default: random).")
 @click.option("--system", default=None, help="System prompt, given to the model once at the start.")
 @click.option("--load", "load_path", type=click.Path(dir_okay=False), default=None,

@@ -9,7 +9,7 @@ Public API
 ``Sampling(temperature=0.7, top_p=0.9, max_new_tokens=256, seed=None, top_k=0, repetition_penalty=1.0,
 no_repeat_ngram_size=0)``
     Settings, checked on construction (H2OStreamError naming the bad one). temperature 0 = greedy; seed None = a
-    random seed, drawn and stored in `.seed`. The defaults are the chat's.
+    random seed, drawn and stored in `.seed`. Repetition controls are off unless asked for.
 
 ``logits_processors(sampling) -> transformers.LogitsProcessorList``
     RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, then (sampling only) TemperatureLogitsWarper,

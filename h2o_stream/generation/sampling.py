@@ -20,8 +20,9 @@ from h2o_stream.errors import H2OStreamError
 
 @dataclass
 class Sampling:
-    """How the next token is chosen. The defaults are the chat's: readable, non-looping replies from the default
-    model (SmolLM2-135M-Instruct).
+    """How the next token is chosen. Unset fields take these defaults: nucleus sampling, repetition controls off (each
+    application states its own defaults: the chat's in `h2o_stream.apps.chat.CHAT_SAMPLING`, summarize's in its
+    settings).
 
     temperature 0 = greedy (the repetition controls still apply); top_k 0 and top_p 1 = no cut; repetition_penalty
     1 = off (transformers' CTRL-style penalty on tokens already in the reply); no_repeat_ngram_size 0 = off (no

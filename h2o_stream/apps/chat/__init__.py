@@ -5,8 +5,9 @@ re-exported from there."""
 from h2o_stream.generation import Sampling
 
 from .formats import ChatFormat, PlainFormat, TemplateFormat, chat_format
-from .session import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession
+from .session import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, chat_sampling
 from .stats import TurnResult, format_stats, loaded_summary, rss_bytes
 
-__all__ = ["DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE", "ChatFormat", "ChatSession", "PlainFormat", "Sampling",
-           "TemplateFormat", "TurnResult", "chat_format", "format_stats", "loaded_summary", "rss_bytes"]
+__all__ = ["CHAT_SAMPLING", "DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE", "ChatFormat", "ChatSession", "PlainFormat",
+           "Sampling", "TemplateFormat", "TurnResult", "chat_format", "chat_sampling", "format_stats",
+           "loaded_summary", "rss_bytes"]

@@ -36,8 +36,21 @@ from .stats import TurnResult, session_stats
 
 DEFAULT_CACHE_SIZE = 512
 DEFAULT_CHUNK_SIZE = 64
+#: The chat's sampling: nucleus sampling with transformers' repetition penalty on the reply's own tokens. Tried on
+#: eight chat prompts (one-off questions, a story, a poem, a list, a three-turn conversation) with the default model,
+#: SmolLM2-135M-Instruct: without the penalty a reply can loop (a poem repeating one line to the token limit; greedy
+#: decoding looped in 4 of 8); with 1.1 none of 24 replies over three seeds did (nor greedy decoding with 1.1), and
+#: replies still end on their own (1.2 cut answers short). No n-gram ban: it changed nothing there and would forbid
+#: naming a long name twice.
+CHAT_SAMPLING = {"temperature": 0.7, "top_p": 0.9, "top_k": 0, "repetition_penalty": 1.1, "no_repeat_ngram_size": 0,
+                 "max_new_tokens": 256}
 RECENT_CHARS = 4000  # per kept message
 _TURN_REASON = {"eos": "end", "length": "length", "cancelled": "interrupted"}  # Generation's -> TurnResult's
+
+
+def chat_sampling(**settings) -> Sampling:
+    """`CHAT_SAMPLING` with `settings` (e.g. seed=1) instead of the defaults they name."""
+    return Sampling(**{**CHAT_SAMPLING, **settings})
 
 
 class _Cancelled(Exception):
@@ -49,7 +62,8 @@ class ChatSession:
 
     `model`/`tokenizer`: a causal LM (any family StreamingCache supports) and its tokenizer; the tokenizer's chat
     template is used when it renders turn by turn, else a plain format (`notice` says so). `policy`: an
-    EvictionPolicy, default h2o with a 512-entry cache. `chunk_size`: user-message tokens per forward pass.
+    EvictionPolicy, default h2o with a 512-entry cache. `sampling`: default `chat_sampling()` (a random seed).
+    `chunk_size`: user-message tokens per forward pass.
     """
 
     def __init__(self, model, tokenizer, *, policy: EvictionPolicy | None = None, rolling: bool = True,
@@ -63,7 +77,7 @@ class ChatSession:
         self.tokenizer = tokenizer
         self.model_name = model_name or getattr(model.config, "_name_or_path", "") or type(model).__name__
         self.chunk_size = chunk_size
-        self.sampling = sampling or Sampling()
+        self.sampling = sampling or chat_sampling()
         self.format: ChatFormat = chat_format(tokenizer, system)
         self.fingerprint = {**model_fingerprint(model), "name": self.model_name}
         self.cache = StreamingCache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE),

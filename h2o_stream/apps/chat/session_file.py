@@ -266,7 +266,8 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
         if not all(isinstance(t, torch.Tensor) for t in (keys, values, positions, scores)):
             raise ValueError("a layer's entries are not tensors")
         n = keys.shape[2] if keys.dim() == 4 else -1
-        if keys.dim() != 4 or keys.shape[:2] != (1, kv_heads) or values.dim() != 4 or values.shape[:3] != keys.shape[:3]:
+        if keys.dim() != 4 or keys.shape[:2] != (1, kv_heads) or values.dim() != 4 \
+                or values.shape[:3] != keys.shape[:3]:
             raise ValueError(f"cache tensors of shape {tuple(keys.shape)} do not fit this model")
         if positions.shape != keys.shape[:3] or scores.shape != keys.shape[:3] or positions.dtype != torch.long \
                 or not scores.is_floating_point():
