@@ -7,6 +7,7 @@ after another; replies go to stdout, notes to stderr, and the exit status is 1 i
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
@@ -16,13 +17,14 @@ from pathlib import Path
 import click
 
 from h2o_stream.apps.chat import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
-from h2o_stream.apps.chat.stats import format_stats, loaded_summary, size_text
-from h2o_stream.errors import H2OStreamError
+from h2o_stream.apps.chat.stats import cache_settings, format_stats, loaded_summary, size_text
+from h2o_stream.errors import H2OStreamError, one_line
 
 from .options import cache_options, model_options
 
 PROMPT = ">>> "
 HISTORY_LINES = 1000
+WAKE_SECONDS = 0.05  # see _waking_for_signals
 
 HELP = """Commands:
   /help          this help
@@ -87,9 +89,13 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
         _note(f"note: {session.notice}")
     if session.budget is None:
         _note("note: the full policy never evicts: memory grows with the conversation")
+    if session.system_warning:
+        _note(f"warning: {session.system_warning}")
     if load_path:
+        before = cache_settings(session)
         session.load(load_path)
         _note(loaded_summary(session, load_path))
+        _note_replaced(before, session)
     _note(f"{loaded.name} | {session.policy.describe()} | "
           + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin"))
     failures = Repl(session, interactive=interactive).run()
@@ -97,8 +103,19 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
         sys.exit(1)
 
 
+class OutputLost(H2OStreamError):
+    """Stdout cannot take the chat's output (a full disk, a closed pipe): the chat ends with one error line."""
+
+
 class Repl:
-    """Reads lines, runs commands, streams replies. `run()` returns how many commands failed."""
+    """Reads lines, runs commands, streams replies. `run()` returns how many commands failed.
+
+    Ctrl-C (SIGINT; handled only when the REPL runs in the main thread): at the prompt, a fresh prompt; while a reply
+    is generated, it stops the reply (the session keeps it); while a message is read, it cancels the message;
+    anywhere else (a command such as /save, the moment between a reply and the next prompt) it is ignored, so a
+    Ctrl-C never ends the session by accident. With stdin piped, a Ctrl-C while waiting for the next line ends the
+    chat, as before.
+    """
 
     def __init__(self, session: ChatSession, *, interactive: bool, out=None):
         self.session = session
@@ -106,27 +123,78 @@ class Repl:
         self.out = out or sys.stdout
         self.failures = 0
         self._history_file = None
+        self._waiting = False  # reading the next line: a Ctrl-C ends the read
+        self._stop = threading.Event()  # a Ctrl-C anywhere else: the reply under way (if any) stops
 
     # -- input --------------------------------------------------------------------------------------------------------
 
     def lines(self):
         if not self.interactive:
-            for line in sys.stdin:
-                yield line.rstrip("\r\n")
+            yield from self._piped_lines()
             return
         self._setup_readline()
         try:
             while True:
                 try:
-                    yield input(PROMPT)
+                    line = self._read(lambda: input(PROMPT))
                 except KeyboardInterrupt:  # Ctrl-C at the prompt: a fresh prompt, the session goes on
-                    self.out.write("\n")
+                    self.write("\n")
                     _note("(Ctrl-C stops a reply; /exit or Ctrl-D to leave)")
+                    continue
                 except EOFError:  # Ctrl-D
-                    self.out.write("\n")
+                    self.write("\n")
                     return
+                except UnicodeDecodeError as error:  # a terminal in another encoding, pasted bytes
+                    self.failures += 1
+                    _note(f"Error: that line is not UTF-8 text ({_bad_byte(error)}); nothing was sent")
+                    continue
+                yield line
         finally:
             self._save_history()
+
+    def _piped_lines(self):
+        """Lines of piped stdin, read as UTF-8; a line that is not text (invalid UTF-8, a NUL byte) means stdin is
+        not a chat transcript: one error, and the chat stops there."""
+        stream = getattr(sys.stdin, "buffer", sys.stdin)
+        number = 0
+        while raw := self._read(stream.readline):
+            number += 1
+            try:
+                line = raw if isinstance(raw, str) else raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise H2OStreamError(f"stdin line {number} is not UTF-8 text ({_bad_byte(error)}): chat reads one "
+                                     "message per line of text") from None
+            if "\0" in line:
+                raise H2OStreamError(f"stdin line {number} is not text (it holds a NUL byte): chat reads one message "
+                                     "per line of text")
+            yield line.rstrip("\r\n")
+
+    def _read(self, read):
+        """`read()`, during which a Ctrl-C ends the read with KeyboardInterrupt."""
+        try:
+            self._waiting = True
+            with _waking_for_signals(self.interactive):
+                return read()
+        finally:
+            self._waiting = False
+
+    def _on_interrupt(self, signum, frame) -> None:
+        if self._waiting:
+            self._waiting = False  # one KeyboardInterrupt per read: a second Ctrl-C cannot land in the first's handling
+            raise KeyboardInterrupt
+        self._stop.set()
+
+    @contextlib.contextmanager
+    def _interrupts(self):
+        """Ctrl-C handled as the class docstring says, for as long as the REPL runs."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = signal.signal(signal.SIGINT, self._on_interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
 
     def _setup_readline(self) -> None:
         try:
@@ -161,19 +229,20 @@ class Repl:
     # -- the loop -----------------------------------------------------------------------------------------------------
 
     def run(self) -> int:
-        for line in self.lines():
-            text = line.strip()
-            if not text:
-                continue  # an empty line is no message
-            if text.startswith("/") and not text.startswith("//"):
-                if not self.command(text):
-                    break
-                continue
-            self.turn(text[1:] if text.startswith("//") else line)
+        with self._interrupts():
+            for line in self.lines():
+                text = line.strip()
+                if not text:
+                    continue  # an empty line is no message
+                if text.startswith("/") and not text.startswith("//"):
+                    if not self.command(text):
+                        break
+                    continue
+                self.turn(text[1:] if text.startswith("//") else line)
         return self.failures
 
     def command(self, text: str) -> bool:
-        """Run a /command; False means leave."""
+        """Run a /command; False means leave. A command that fails says why and leaves the session as it was."""
         name, _, argument = text.partition(" ")
         name, argument = name.lower(), argument.strip()
         try:
@@ -195,37 +264,38 @@ class Repl:
                     self.say(f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) "
                              f"to {path}")
                 else:
+                    before = cache_settings(self.session)
                     self.session.load(argument)
                     self.say(loaded_summary(self.session, argument))
+                    _note_replaced(before, self.session)
             else:
                 raise H2OStreamError(f"unknown command {name}; type /help for the list "
                                      "(start a message with // to send a message that begins with /)")
+        except OutputLost:
+            raise
         except H2OStreamError as error:
             self.failures += 1
             _note(f"Error: {error}")
+        except Exception as error:  # anything unforeseen (e.g. from torch or the disk): the session goes on
+            self.failures += 1
+            _note(f"Error: {name} failed: {type(error).__name__}: {one_line(error)} (the session is as it was)")
         return True
 
     def turn(self, text: str) -> None:
-        stop = threading.Event()
-        previous = None
-        if threading.current_thread() is threading.main_thread():
-            previous = signal.signal(signal.SIGINT, lambda signum, frame: stop.set())
+        self._stop.clear()
         try:
-            for delta in self.session.send(text, should_stop=stop.is_set):
-                self.out.write(delta)
-                self.out.flush()
+            for delta in self.session.send(text, should_stop=self._stop.is_set):
+                self.write(delta)
+        except OutputLost:
+            raise
         except Exception as error:  # H2OStreamError, or anything from the model: the session is restored
             self.failures += 1
-            self.out.write("\n")
+            self.write("\n")
             what = str(error) if isinstance(error, H2OStreamError) else f"{type(error).__name__}: {error}"
             _note(f"Error: {what} (the session is as it was before this message)")
             return
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
         result = self.session.last_turn
-        self.out.write("\n")
-        self.out.flush()
+        self.write("\n")
         if result.stop_reason == "interrupted":
             _note(f"[stopped after {result.generated_tokens} tokens; the reply so far stays in the session]")
         elif result.stop_reason == "cancelled":
@@ -233,11 +303,66 @@ class Repl:
         elif result.stop_reason == "length":
             _note(f"[reply cut at --max-new-tokens {self.session.sampling.max_new_tokens}]")
         if self.interactive:
-            self.out.write("\n")
+            self.write("\n")
 
     def say(self, text: str) -> None:
-        self.out.write(text + "\n")
-        self.out.flush()
+        self.write(text + "\n")
+
+    def write(self, text: str) -> None:
+        """`text` to stdout, now. If stdout cannot take it (a full disk, a closed pipe) the chat ends: OutputLost."""
+        try:
+            self.out.write(text)
+            self.out.flush()
+        except OSError as error:
+            _discard(self.out)
+            raise OutputLost(f"cannot write to stdout ({error.strerror or one_line(error)}); the chat stops here") \
+                from None
+
+
+@contextlib.contextmanager
+def _waking_for_signals(active: bool):
+    """While input() waits, wake it every WAKE_SECONDS, so that a Ctrl-C is acted on at once.
+
+    CPython runs a Python signal handler only when the main thread runs Python code, and readline's input() sleeps
+    in select(), which a signal ends only if it arrives during that sleep. A Ctrl-C that lands just before it (the
+    process was descheduled right after drawing the prompt, as happens under load) or that another thread (torch's)
+    takes would wait for the next key press: no fresh prompt. A no-op SIGALRM ends the sleep; readline then runs the
+    pending handlers and waits again."""
+    if not active or not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
+    signal.setitimer(signal.ITIMER_REAL, WAKE_SECONDS, WAKE_SECONDS)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)  # runs a tick still pending first, with the no-op handler
+
+
+def _discard(stream) -> None:
+    """Point a failed stream's file descriptor at the null device, so that the interpreter's flush at exit does not
+    fail again and print a traceback."""
+    try:
+        null = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(null, stream.fileno())
+        finally:
+            os.close(null)
+    except (OSError, ValueError, AttributeError):  # no file descriptor (e.g. click's test runner)
+        pass
+
+
+def _bad_byte(error: UnicodeDecodeError) -> str:
+    return f"byte 0x{error.object[error.start]:02x} at offset {error.start}"
+
+
+def _note_replaced(before: str, session: ChatSession) -> None:
+    """Say so when a loaded session brings another cache than the chat had (the file's settings win)."""
+    after = cache_settings(session)
+    if after != before:
+        _note(f"note: the loaded session keeps its own cache, {after}, instead of this chat's {before} "
+              "(--policy/--cache-size do not apply to a loaded session)")
 
 
 def _note(text: str) -> None:

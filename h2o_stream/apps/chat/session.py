@@ -96,6 +96,18 @@ class ChatSession:
         return self.format.notice
 
     @property
+    def system_warning(self) -> str | None:
+        """A warning when the system prompt alone is longer than the cache: the model cannot see all of it."""
+        budget = self.budget
+        if self.system is None or budget is None:
+            return None
+        length = len(self.format.encode(self.system))
+        if length <= budget:
+            return None
+        return (f"the system prompt is {length} tokens, more than the cache holds ({budget} entries): the model "
+                "cannot see all of it; shorten it or use a larger cache (--cache-size)")
+
+    @property
     def format_kind(self) -> str:
         return self.format.kind
 
@@ -150,6 +162,11 @@ class ChatSession:
             raise H2OStreamError(f"a message must be text, got {type(text).__name__}")
         if not text.strip():
             raise H2OStreamError("the message is empty")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as error:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+            raise H2OStreamError(f"the message is not valid text (character {error.start} is not UTF-8: "
+                                 f"{text[error.start]!r}); nothing was sent") from None
         return self._turn(text, should_stop or (lambda: False))
 
     def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> TurnResult:

@@ -9,6 +9,7 @@ weights), tokenizer and chat format. `load` checks everything before the session
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import time
 from collections import deque
@@ -83,9 +84,13 @@ def save(session, path: str | os.PathLike) -> Path:
         "saved_at": time.time(),
     }
     state["digest"] = digest(state)
+    # Serialized in memory first: torch's writer reports a full disk mid-tensor as a RuntimeError ("unexpected
+    # pos"), a plain write as the OSError it is.
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
     try:
         with atomic_path(path) as partial, open(partial, "wb") as file:
-            torch.save(state, file)
+            file.write(buffer.getbuffer())
             file.flush()
             os.fsync(file.fileno())  # on disk before it replaces a good older file
     except OSError as error:

@@ -84,6 +84,11 @@ def format_stats(stats: dict) -> str:
     ])
 
 
+def cache_settings(session) -> str:
+    """The session's cache as the user set it: policy, budget split and rolling, e.g. "h2o(heavy=4, recent=4)"."""
+    return session.policy.describe() + ("" if session.cache.rolling else ", no rolling")
+
+
 def loaded_summary(session, path) -> str:
     """What a resumed session holds, said once after /load or --load."""
     stats = session.stats()
