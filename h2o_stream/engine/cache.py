@@ -12,12 +12,14 @@ Invariants (per layer):
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
-from .hooks import attach
+from .hooks import active_cache, attach
 from .policies import EvictionPolicy
 
 
@@ -127,6 +129,40 @@ class StreamingLayer(CacheLayerMixin):
             self.device = self.keys.device
 
 
+def _model_shape(config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim): what a cache's storage is shaped by."""
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
+
+
+def _continues(position_ids: torch.Tensor, seen: int, length: int) -> bool:
+    """Whether every row of `position_ids` is seen..seen+length-1."""
+    if position_ids.shape[-1] != length:
+        return False
+    expected = torch.arange(seen, seen + length, device=position_ids.device)
+    return torch.equal(position_ids, expected.expand_as(position_ids))
+
+
+def _describe(shape: tuple[int, int, int]) -> str:
+    layers, heads, head_dim = shape
+    return f"{layers} layers, {heads} KV heads of dimension {head_dim}"
+
+
+def _check_attention_mask(attention_mask: torch.Tensor | None) -> None:
+    """Refuse padding: the cache keeps, scores and positions every token as a real one, and chunked sink/window
+    replace the mask with their band, so a padded batch would give silently wrong output."""
+    if attention_mask is None:
+        return
+    if attention_mask.dim() != 2:
+        raise H2OStreamError("a StreamingCache builds the attention mask itself: pass no attention_mask, or a 2D "
+                             f"padding mask of ones, not a {attention_mask.dim()}D mask")
+    if not bool(attention_mask.all()):
+        raise H2OStreamError(
+            "padded batches are not supported: the attention_mask has zeros, and a StreamingCache would keep, "
+            "score and position the padding as real tokens. Batch streams of equal length, or run them one at a time")
+
+
 def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
     """x (batch, heads, slots, *rest) at the kept slots. index_select on a flat view: CPU gather is ~10x slower."""
     batch, heads, slots = x.shape[:3]
@@ -137,7 +173,8 @@ class StreamingCache(Cache):
     """Fixed-budget cache for `model`: pass it as `cache=` to a forward or to `model.generate`.
 
     Construction attaches h2o-stream to the model (attention function + two hooks, once per model); the cache then
-    owns position ids: with rolling they are slot indices, without rolling true stream positions.
+    owns position ids: with rolling they are slot indices, without rolling true stream positions. It serves that one
+    model and one batch of unpadded streams; anything else is refused before the model runs (see `begin_forward`).
     """
 
     def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True):
@@ -158,6 +195,9 @@ class StreamingCache(Cache):
         self.rolling = rolling
         self.context = context
         attach(model)
+        # The model it was made for (its rotary tables and shapes are baked in); weak, so the cache never keeps it.
+        self._model = weakref.ref(model.base_model)
+        self._model_shape = _model_shape(config)
 
     @property
     def slots(self) -> int:
@@ -176,15 +216,107 @@ class StreamingCache(Cache):
         # The mask is built in slot space: queries sit right after the n cached entries.
         return self.layers[layer_idx].slots
 
-    def begin_forward(self, length: int, device) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Position ids for the next `length` tokens, and the banded mask chunked mode needs (or None)."""
+    @property
+    def max_chunk(self) -> int | None:
+        """The most tokens one forward may add on top of cached entries (None: no limit from the policy).
+
+        A score-based policy (h2o) in chunked mode lets every query of a chunk see the n cached entries and its chunk
+        predecessors; with a chunk wider than the budget that is far more than the budget + 1 keys exact mode gives a
+        query, so its numbers stop meaning anything (a 1-entry h2o cache would beat every other policy). Band policies
+        (sink, window) mask each query down to exactly what exact mode gives it, so they take any chunk.
+        """
+        return self.policy.budget if self.policy.needs_scores else None
+
+    def check_chunk_size(self, chunk_size: int) -> None:
+        """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
+        limit = self.max_chunk
+        if limit is not None and chunk_size > limit:
+            raise H2OStreamError(
+                f"{self.policy.describe()} ranks entries by the attention they receive, and a chunk of "
+                f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
+                f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most the cache "
+                f"size ({limit}), a larger cache, or exact (token-by-token) mode")
+
+    def check_fits(self, tokens: int) -> None:
+        """Refuse (H2OStreamError) `tokens` more stream tokens whose positions would pass the model's context.
+
+        Only without rolling: tokens then sit at their true stream positions, so a stream can outrun the model's
+        position table (an IndexError deep in the model otherwise). begin_forward checks every forward; an app may
+        call this up front with the length of a whole stream.
+        """
+        if self.rolling or self.context is None or self.seen + tokens <= self.context:
+            return
+        left = max(self.context - self.seen, 0)
+        raise H2OStreamError(
+            f"without rolling, tokens sit at their stream positions and the model has {self.context} positions: "
+            f"{self.context} tokens fit in all and {left} more fit in this cache ({self.seen} fed so far), not "
+            f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream")
+
+    def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids for the forward about to run and the banded mask chunked mode needs (or None).
+
+        `inputs` (batch, length[, hidden]) are its token ids or embeddings, `model` the base model running it, and
+        `position_ids` / `attention_mask` what its caller passed (the cache replaces both). The forward is checked
+        first, so that misuse is one clear H2OStreamError before the model runs, with the cache untouched, instead
+        of a reshape error or silently wrong numbers.
+        """
+        batch, length = inputs.shape[:2]
+        self._check_model(model)
+        self._check_batch(batch)
+        _check_attention_mask(attention_mask)
+        self._check_positions(position_ids, length)
+        if self.slots:  # a prompt into an empty cache may be wider (model.generate prefills it in one forward)
+            self.check_chunk_size(length)
+        self.check_fits(length)
         start = self.slots if self.rolling else self.seen
         if self.rolling and self.context is not None and start + length > self.context:
             raise H2OStreamError(
                 f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
                 f"{start + length - 1}, beyond the model's context of {self.context}; use a smaller chunk or cache")
-        positions = torch.arange(start, start + length, device=device).unsqueeze(0)
-        return positions, self.band_mask(length, device)
+        positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
+        return positions, self.band_mask(length, inputs.device)
+
+    def _check_model(self, model) -> None:
+        if model is None or model is self._model():
+            return
+        config = model.config.get_text_config(decoder=True)
+        theirs = _model_shape(config)
+        differs = "" if theirs == self._model_shape else f"; that one has {_describe(theirs)}"
+        raise H2OStreamError(f"this StreamingCache was made for another model ({_describe(self._model_shape)})"
+                             f"{differs}: make a new StreamingCache for each model")
+
+    def _check_batch(self, batch: int) -> None:
+        held = self.layers[0].positions
+        if held is not None and held.shape[0] != batch:
+            raise H2OStreamError(f"this cache holds {held.shape[0]} stream(s) and the forward brings a batch of "
+                                 f"{batch}: reset() the cache (or make a new one) before changing the batch size")
+
+    def _check_positions(self, position_ids: torch.Tensor | None, length: int) -> None:
+        """The forward must bring tokens, and a caller's position ids must continue the stream the cache holds.
+
+        model.generate slices its input by the tokens the cache has seen and passes position ids; given a prompt the
+        cache already holds, it feeds a tail of it (or nothing) at positions the cache is long past.
+        """
+        if length and (position_ids is None or _continues(position_ids, self.seen, length)):
+            return
+        if length and position_ids.numel():
+            first, last = position_ids.min().item(), position_ids.max().item()
+            given = f"the forward's position ids ({first}..{last}) do not continue"
+        else:
+            given = "the forward brings no tokens to continue"
+        raise H2OStreamError(
+            f"{given} the stream this cache holds ({self.seen} tokens seen, so the next is at {self.seen}). "
+            f"model.generate does this when given a prompt the cache already holds: pass the whole sequence so far, "
+            f"or reset() the cache or make a new one")
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """transformers' `Cache.update`, only from a forward h2o-stream has set up (see `attach`)."""
+        if active_cache() is not self:
+            raise H2OStreamError(
+                "this StreamingCache is being filled by a forward that h2o-stream did not set up: a model the cache "
+                "was not made for (make a new StreamingCache for each model) or one used inside another forward")
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def band_mask(self, length: int, device) -> torch.Tensor | None:
         """For sink/window: query i (slot n+i) sees slots j <= n+i with j < sinks or j >= n+i-recent, exactly the

@@ -1,10 +1,11 @@
 """The attention function h2o-stream registers with transformers, and the two hooks that give it its cache.
 
 `attach(model)` switches the model to the registered attention implementation and hooks its base model: before a
-forward that carries a streaming cache (anything with `begin_forward`, i.e. a `StreamingCache`), the hook sets the
-position ids the cache dictates (slot indices when rolling) and makes the cache visible to the attention function;
-after the forward it hides it again. With any other cache (or none) the attention function is plain SDPA, so an
-attached model still works as before. This module does not import the cache: the cache imports `attach`.
+forward that carries a streaming cache (anything with `begin_forward`, i.e. a `StreamingCache`), the hook lets the
+cache check the forward (one clear error for misuse, before the model runs), sets the position ids the cache dictates
+(slot indices when rolling) and makes the cache visible to the attention function; after the forward it hides it
+again. With any other cache (or none) the attention function is plain SDPA, so an attached model still works as
+before. This module does not import the cache: the cache imports `attach`.
 """
 
 from __future__ import annotations
@@ -56,9 +57,11 @@ def _before_forward(module, args, kwargs):
         inputs = kwargs.get("inputs_embeds")
     if inputs is None and args:
         inputs = args[0]
-    kwargs["position_ids"], band_mask = cache.begin_forward(inputs.shape[1], inputs.device)
+    # The cache checks the forward (model, batch, padding, positions, chunk, context) before anything runs.
+    kwargs["position_ids"], band_mask = cache.begin_forward(
+        inputs, model=module, position_ids=kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask"))
     if band_mask is not None:
-        # A 4D mask is taken by transformers as-is; padding masks have no meaning for a single stream.
+        # A 4D mask is taken by transformers as-is; begin_forward refused padding, so nothing is lost here.
         kwargs["attention_mask"] = band_mask
     module._h2o_stream_tokens.append(_active_cache.set(cache))
     return args, kwargs
@@ -81,6 +84,11 @@ def attach(model) -> None:
         base._h2o_stream_tokens = []
         base.register_forward_pre_hook(_before_forward, with_kwargs=True)
         base.register_forward_hook(_after_forward, with_kwargs=True, always_call=True)
+
+
+def active_cache():
+    """The streaming cache of the forward now running on this thread/context, or None."""
+    return _active_cache.get()
 
 
 def _is_streaming(cache) -> bool:
