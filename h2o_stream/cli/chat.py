@@ -171,12 +171,12 @@ class Repl:
 
     def _read(self, read):
         """`read()`, during which a Ctrl-C ends the read with KeyboardInterrupt."""
-        try:
-            self._waiting = True
-            with _waking_for_signals(self.interactive):
+        with _waking_for_signals(self.interactive):  # set up and taken down while a Ctrl-C cannot raise
+            try:
+                self._waiting = True
                 return read()
-        finally:
-            self._waiting = False
+            finally:
+                self._waiting = False
 
     def _on_interrupt(self, signum, frame) -> None:
         if self._waiting:
@@ -332,8 +332,8 @@ def _waking_for_signals(active: bool):
         yield
         return
     previous = signal.signal(signal.SIGALRM, lambda signum, frame: None)
-    signal.setitimer(signal.ITIMER_REAL, WAKE_SECONDS, WAKE_SECONDS)
     try:
+        signal.setitimer(signal.ITIMER_REAL, WAKE_SECONDS, WAKE_SECONDS)
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import click
 
 from h2o_stream.apps.summarize import Document, as_document, summarize as summarize_document
+from h2o_stream.apps.summarize.documents import text_from_bytes
 from h2o_stream.apps.summarize.settings import (DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_INSTRUCTION,
                                                 DEFAULT_MAX_NEW_TOKENS, DEFAULT_NO_REPEAT_NGRAM_SIZE, DEFAULT_POLICY,
                                                 DEFAULT_REPETITION_PENALTY, DEFAULT_SECTION_MAX_NEW_TOKENS,
                                                 DEFAULT_TEMPERATURE, DEFAULT_TOP_P, STRATEGIES, check_settings)
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading.corpus import SAMPLE
 from h2o_stream.files import atomic_path
 
 from .options import cache_options, model_options
@@ -56,13 +59,14 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
     stdout; progress and statistics go to stderr."""
     check_settings(strategy=strategy, instruction=instruction, max_new_tokens=max_new_tokens, policy=policy,
                    cache_size=cache_size, chunk_size=chunk_size, section_tokens=section_tokens,
-                   section_max_new_tokens=section_max_new_tokens, **parts)
-    if out is not None and not out.parent.expanduser().is_dir():
-        raise H2OStreamError(f"cannot write {out}: directory {out.parent} does not exist")
+                   section_max_new_tokens=section_max_new_tokens, options=True, **parts)
+    target = None if out is None else out_path(out, file)
     if file == "-":
         if book is not None:
             raise H2OStreamError("--book needs a corpus (a file, a directory or 'sample'), not stdin")
-        document = as_document(Document(text=sys.stdin.read(), title="stdin"))
+        data = getattr(sys.stdin, "buffer", sys.stdin).read()
+        text = data if isinstance(data, str) else text_from_bytes(data, "stdin")
+        document = as_document(Document(text=text, title="stdin"))
     else:
         document = as_document(Path(file) if file != "sample" else file, book=book)  # fails here, before the model
 
@@ -84,6 +88,9 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
             click.echo(f"[level {part.level} part {part.index + 1}, tokens {part.start}-{part.end}] {part.text}\n",
                        err=True)
 
+    def warn(text: str) -> None:
+        click.echo(f"warning: {text}", err=True)
+
     def text(piece: str) -> None:
         click.echo(piece, nl=False)
         sys.stdout.flush()
@@ -97,13 +104,13 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
         section_max_new_tokens=section_max_new_tokens, rolling=not no_rolling, temperature=temperature, top_p=top_p,
         seed=seed, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size, dtype=dtype,
         device=device, threads=threads, on_progress=None if quiet else progress, on_text=text,
-        on_section=section if strategy == "hierarchical" else None, **parts)
+        on_section=section if strategy == "hierarchical" else None, on_warning=warn, **parts)
     if bar is not None:
         bar.close()
     click.echo()
-    if out is not None:
+    if target is not None:
         try:
-            with atomic_path(out.expanduser()) as partial:
+            with atomic_path(target) as partial:
                 partial.write_text(result.text + "\n", encoding="utf-8")
         except OSError as error:
             raise H2OStreamError(f"cannot write {out}: {error.strerror or error}") from None
@@ -116,3 +123,23 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
             f"{sections}; {result.evictions:,} cache entries evicted; peak {result.peak_slots} per layer & KV head; "
             f"{result.tokens_generated} tokens generated ({result.stop_reason}); {result.seconds:.1f} s"
             + (f"; wrote {out}" if out is not None else ""), err=True)
+
+
+def out_path(out: Path, source: str) -> Path:
+    """Where --out writes (through a symbolic link, to the file it points to); refused, before any work, when its
+    directory is missing or when it is the document being summarized (the same file, also through a link) or a file
+    of the corpus directory being read: the summary would replace what it summarizes."""
+    target = out.expanduser().resolve()
+    if not target.parent.is_dir():
+        raise H2OStreamError(f"cannot write {out}: directory {out.parent} does not exist")
+    read = Path(source).expanduser()
+    if source in ("-", SAMPLE) or not target.exists() or not read.exists():
+        return target
+    if read.is_dir():
+        if target.is_relative_to(read.resolve()):
+            raise H2OStreamError(f"--out {out} is a file of the corpus directory {source} that is being summarized: "
+                                 "the summary would replace it; choose another --out")
+    elif os.path.samefile(target, read):
+        raise H2OStreamError(f"--out {out} is the file being summarized ({source}): the summary would replace the "
+                             "document; choose another --out")
+    return target

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict
 
@@ -36,6 +37,7 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
               on_progress: Callable[[int, int], None] | None = None,
               on_text: Callable[[str], None] | None = None,
               on_section: Callable[[SectionSummary], None] | None = None,
+              on_warning: Callable[[str], None] | None = None,
               **parts: int | None) -> SummaryResult:
     """Summarize a document of any length with a fixed-size KV cache.
 
@@ -48,7 +50,8 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
     random one, recorded in the result); `repetition_penalty` and `no_repeat_ngram_size` as in transformers.
 
     `on_progress(done, total)` reports document tokens read; `on_text(piece)` streams the final summary as it is
-    generated; `on_section(section)` sees each section summary (hierarchical).
+    generated; `on_section(section)` sees each section summary (hierarchical); `on_warning(text)` hears of a
+    problem that does not stop the work, e.g. an instruction longer than the cache (default: `warnings.warn`).
     """
     started = time.perf_counter()
     # Every argument is checked before the document is read or the model loaded.
@@ -62,6 +65,12 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
     net, tokenizer, name = resolve_model(model, dtype=dtype, device=device, threads=threads)
     reader = Reader(net, tokenizer, policy=policy, cache_size=cache_size, chunk_size=chunk_size, rolling=rolling,
                     sampling=sampling, **parts)
+    sections_asked = section_instruction if strategy == "hierarchical" else None
+    for problem in instruction_warnings(reader, instruction, sections_asked):
+        if on_warning is not None:
+            on_warning(problem)
+        else:
+            warnings.warn(problem, stacklevel=2)
 
     ids = encode(tokenizer, document.text)
     if not ids:
@@ -84,6 +93,22 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
         title=document.title, source=document.source, model=name,
         chat_template=build_prompt(tokenizer, instruction).chat, sections=sections, sampling=asdict(sampling),
         stop_reason=run.stop_reason)
+
+
+def instruction_warnings(reader: Reader, instruction: str, section_instruction: str | None = None) -> list[str]:
+    """A warning for each instruction that, with the prompt's closing tokens, is longer than the cache: the model
+    cannot see all of it when it answers (the policy evicts part of it while it is read)."""
+    budget = reader.policy.budget
+    found = []
+    for label, text in (("instruction", instruction), ("section instruction", section_instruction)):
+        if budget is None or text is None:
+            continue
+        length = len(build_prompt(reader.tokenizer, text).suffix)
+        if length > budget:
+            found.append(f"the {label} is {length} tokens with the prompt's closing, more than the cache holds "
+                         f"({budget} entries): the model cannot see all of it when it writes the summary; shorten "
+                         "it or use a larger cache (--cache-size)")
+    return found
 
 
 def resolve_model(model, *, dtype: str = "float32", device: str = "cpu", threads: int | None = None):

@@ -13,7 +13,7 @@ from h2o_stream.loading.corpus import SAMPLE, list_books, read_book
 #: a one-line string ending like this is taken for a file name (a missing file is reported, not summarized)
 PATH_LIKE_SUFFIXES = (".txt", ".md", ".markdown", ".text", ".rst", ".jsonl", ".json", ".gz", ".parquet", ".pdf")
 
-__all__ = ["Document", "as_document", "list_books", "load_document"]
+__all__ = ["Document", "as_document", "list_books", "load_document", "text_from_bytes"]
 
 
 @dataclass
@@ -57,9 +57,29 @@ def as_document(text_or_path, *, book=None) -> Document:
 
 
 def require_text(text: str, label: str) -> None:
-    """An error if `text` is blank."""
+    """An error if `text` is blank, or not valid text (lone surrogates: bytes that were not UTF-8, decoded with
+    surrogateescape, on which the tokenizer fails)."""
     if not text.strip():
         raise H2OStreamError(f"{label} is empty: there is nothing to summarize")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:
+        raise H2OStreamError(f"{label} is not valid text (character {error.start} is not UTF-8: "
+                             f"{text[error.start]!r})") from None
+
+
+def text_from_bytes(data: bytes, label: str) -> str:
+    """`data` as UTF-8 text (a leading BOM dropped); one clear error naming `label` for binary data or another
+    encoding. (The corpus reader makes the same checks for files.)"""
+    if b"\0" in data:
+        raise H2OStreamError(f"{label} is not UTF-8 text: it looks like binary data (it contains NUL bytes)")
+    try:
+        text = data.decode("utf-8").removeprefix("\ufeff")
+    except UnicodeDecodeError as error:
+        raise H2OStreamError(f"{label} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+                             "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+    require_text(text, label)
+    return text
 
 
 def _is_file(name: str) -> bool:

@@ -25,21 +25,29 @@ DEFAULT_NO_REPEAT_NGRAM_SIZE = 4
 def check_settings(*, strategy: str, instruction, max_new_tokens, policy: str, cache_size,
                    chunk_size=DEFAULT_CHUNK_SIZE, section_tokens=None,
                    section_max_new_tokens=DEFAULT_SECTION_MAX_NEW_TOKENS,
-                   section_instruction=DEFAULT_SECTION_INSTRUCTION, **parts) -> tuple[str, int, str]:
+                   section_instruction=DEFAULT_SECTION_INSTRUCTION, options: bool = False,
+                   **parts) -> tuple[str, int, str]:
     """Refuse bad settings with one clear message; (instruction, max_new_tokens, section_instruction) cleaned.
-    `parts`: the policy's budget parts, as `make_policy` takes them."""
+    `parts`: the policy's budget parts, as `make_policy` takes them. `options`: name the settings as the command's
+    options (--max-new-tokens), not as summarize()'s arguments (max_new_tokens)."""
+    name = option_name if options else str
     if strategy not in STRATEGIES:
         raise H2OStreamError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
-    instruction = nonempty("instruction", instruction)
-    max_new_tokens = positive_int("max_new_tokens", max_new_tokens)
+    instruction = nonempty(name("instruction"), instruction)
+    max_new_tokens = positive_int(name("max_new_tokens"), max_new_tokens)
     if strategy == "hierarchical":
-        section_instruction = nonempty("section_instruction", section_instruction)
-        positive_int("section_max_new_tokens", section_max_new_tokens)
+        section_instruction = nonempty(name("section_instruction"), section_instruction)
+        positive_int(name("section_max_new_tokens"), section_max_new_tokens)
         if section_tokens is not None:
-            positive_int("section_tokens", section_tokens)
+            positive_int(name("section_tokens"), section_tokens)
     make_policy(policy, cache_size, **parts)  # raises on a bad policy setting
-    positive_int("chunk_size", chunk_size)
+    positive_int(name("chunk_size"), chunk_size)
     return instruction, max_new_tokens, section_instruction
+
+
+def option_name(argument: str) -> str:
+    """summarize()'s argument name as the command's option: max_new_tokens -> --max-new-tokens."""
+    return "--" + argument.replace("_", "-")
 
 
 def nonempty(name: str, value) -> str:
