@@ -166,7 +166,7 @@ class ChatSession:
             text.encode("utf-8")
         except UnicodeEncodeError as error:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
             raise H2OStreamError(f"the message is not valid text (character {error.start} is not UTF-8: "
-                                 f"{text[error.start]!r}); nothing was sent") from None
+                                 f"{text[error.start]!r})") from None
         return self._turn(text, should_stop or (lambda: False))
 
     def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> TurnResult:
