@@ -29,8 +29,10 @@ for _command in (ppl, chat, summarize):
 
 def main(argv: list[str] | None = None) -> None:
     """Entry point: every H2OStreamError becomes one line on stderr and exit status 2."""
+    argv = sys.argv[1:] if argv is None else [str(arg) for arg in argv]
     try:
-        status = cli.main(args=argv, standalone_mode=False)
+        # obj: the arguments as given, for commands that print or record how to run them again (ppl's --resume hint)
+        status = cli.main(args=argv, standalone_mode=False, obj={"argv": argv})
     except H2OStreamError as error:
         click.echo(f"Error: {error}", err=True)
         sys.exit(2)

@@ -4,6 +4,7 @@ comma-separated lists."""
 from __future__ import annotations
 
 import functools
+import sys
 
 import click
 
@@ -57,15 +58,22 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
     return decorate
 
 
-def parse_list(text: str, convert, label: str) -> list:
-    """'h2o,sink' → ['h2o', 'sink'] with one clear error for a bad item."""
+def parse_list(text: str, convert, label: str, kind: str = "integers") -> list:
+    """'h2o,sink' → ['h2o', 'sink'] with one clear error for a bad item (`kind` names what the items must be)."""
     items = [item.strip() for item in str(text).split(",") if item.strip()]
     if not items:
         raise H2OStreamError(f"{label} is empty")
     try:
         return [convert(item) for item in items]
     except ValueError:
-        raise H2OStreamError(f"{label} must be a comma-separated list, got {text!r}") from None
+        raise H2OStreamError(f"{label} must be a comma-separated list of {kind}, got {text!r}") from None
+
+
+def command_argv() -> list[str]:
+    """The command line of this call as a user would type it again: `h2o-stream` and the arguments `main` got."""
+    root = click.get_current_context().find_root()
+    argv = root.obj.get("argv") if isinstance(root.obj, dict) else None
+    return ["h2o-stream", *(sys.argv[1:] if argv is None else argv)]
 
 
 def _part_help(policies) -> str:
@@ -78,7 +86,7 @@ def _part_help(policies) -> str:
 
 
 def _parse_policy(ctx, param, value) -> list[str]:
-    return parse_list(value, str, "--policy")
+    return parse_list(value, str, "--policy", "policy names")
 
 
 def _parse_sizes(ctx, param, value) -> list[int]:

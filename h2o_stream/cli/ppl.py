@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import shlex
 import sys
 from pathlib import Path
 
 import click
 
+from h2o_stream.apps.perplexity.interrupt import Interrupted, StopRequest
+from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
-from .options import cache_options, model_options
+from .options import cache_options, command_argv, model_options
 
 
 @click.command()
@@ -39,7 +42,9 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
-    run, a checkpoint per run (for --resume), ppl.png and summary.json.
+    run, a checkpoint per run (for --resume), ppl.png and summary.json (over every run in --out). One run at a time
+    may use an --out directory. Ctrl-C (or SIGTERM) finishes the current chunk, writes a checkpoint and prints the
+    command that resumes.
     """
     from h2o_stream.loading.models import load_model
 
@@ -49,12 +54,22 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
         chunk_size = 1
     if chunk_size < 1:
         raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
+    argv = command_argv()
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size,
                   rolling=not no_rolling, reset_per_book=reset_per_book, skip_tokens=skip_tokens,
                   checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
-                  command="h2o-stream " + " ".join(sys.argv[1:]))
+                  command=shlex.join(argv))
     sweep.check()
-    loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
-    results = sweep.run(loaded.model, loaded.tokenizer, loaded.name, note=lambda text: click.echo(text, err=True))
+    with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
+        loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+        stop = StopRequest()
+        try:
+            with stop.catching():
+                results = sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop,
+                                    note=lambda text: click.echo(text, err=True))
+        except Interrupted as stopped:
+            again = argv if "--resume" in argv else [*argv, "--resume"]
+            click.echo(f"{stopped}. Continue with:\n  {shlex.join(again)}", err=True)
+            sys.exit(stopped.exit_status)
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)

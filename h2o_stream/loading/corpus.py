@@ -138,6 +138,11 @@ def read_book(source: str | os.PathLike, book: int | str | None = None) -> tuple
 
 
 def _hub_books() -> Iterator[Book]:
+    from .sources import hub_unreachable  # offline: fail in seconds, not after a minute of retries
+
+    unreachable = hub_unreachable()
+    if unreachable:
+        raise H2OStreamError(f"could not load PG-19 from the Hugging Face Hub ({unreachable}); {_USE_LOCAL}")
     import datasets  # slow to import; only the Hub path needs it
 
     def failure(exc: Exception, books_read: int) -> H2OStreamError:

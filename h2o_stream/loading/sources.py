@@ -7,6 +7,9 @@ cause (a wrong path, a broken file, no network) into one-line `H2OStreamError`s 
 from __future__ import annotations
 
 import importlib
+import os
+import socket
+import urllib.parse
 from pathlib import Path
 
 import torch
@@ -15,6 +18,8 @@ from safetensors import SafetensorError
 from h2o_stream.errors import H2OStreamError, one_line
 
 # transformers is imported inside the functions that need it: importing it takes seconds.
+
+_HUB_PROBE_SECONDS = 3.0  # how long the Hub's host gets to accept a connection before we call it unreachable
 
 # Any of these in a directory means a tokenizer was saved there (fast, then the slow formats).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
@@ -70,10 +75,17 @@ def from_hub(repo_id: str, dtype: torch.dtype):
     """(model, tokenizer) for a Hugging Face Hub id, downloaded into (or read from) the Hub's own cache."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    unreachable = hub_unreachable()
+    local = {"local_files_only": True} if unreachable else {}  # offline: the Hub's cache only, no retries
     try:
-        tokenizer = AutoTokenizer.from_pretrained(repo_id)
-        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(repo_id, **local)
+        model = AutoModelForCausalLM.from_pretrained(repo_id, dtype=dtype, **local)
     except _hub_errors() as exc:
+        if unreachable:
+            raise H2OStreamError(
+                f"could not load the model {repo_id!r}: the Hugging Face Hub is not available ({unreachable}) and the "
+                "model is not in the local Hugging Face cache; pass a local directory or a .gguf file with --model"
+            ) from exc
         raise H2OStreamError(
             f"could not load the model {repo_id!r} from the Hugging Face Hub: {one_line(exc)} "
             "(if you are offline, pass a local directory or a .gguf file with --model)"
@@ -81,6 +93,27 @@ def from_hub(repo_id: str, dtype: torch.dtype):
     except ValueError as exc:  # it downloaded, but is not something AutoModelForCausalLM can build
         raise H2OStreamError(f"could not load the model {repo_id!r}: {one_line(exc)}") from exc
     return model, tokenizer
+
+
+def hub_unreachable() -> str | None:
+    """Why the Hugging Face Hub cannot be used now, or None if it may be: offline mode is on (HF_HUB_OFFLINE or
+    TRANSFORMERS_OFFLINE), or the Hub's host does not accept a connection within a few seconds (no network, no DNS).
+    Checked before going to the Hub, so that an offline machine fails in seconds instead of after a minute of
+    retries. Behind a proxy only the proxy knows, so the download is left to try."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or any(os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+                                       for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+        return "offline mode is on: HF_HUB_OFFLINE is set"
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return None
+    endpoint = urllib.parse.urlsplit(constants.ENDPOINT)
+    host, port = endpoint.hostname, endpoint.port or (443 if endpoint.scheme == "https" else 80)
+    try:
+        socket.create_connection((host, port), timeout=_HUB_PROBE_SECONDS).close()
+    except OSError as exc:
+        return f"{host} cannot be reached: {exc.strerror or one_line(exc)}"
+    return None
 
 
 def _require_gguf_package() -> None:

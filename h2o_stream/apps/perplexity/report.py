@@ -1,17 +1,40 @@
 """Result files: the PPL-vs-tokens plot and the summary table (JSON goes through h2o_stream.files).
 
-The budget split of a result is read from its settings by its policy's declared parts, so a new policy needs nothing
+Reports cover every run result in the output directory (`results_in`), not only the runs of the latest call. The budget split of a result is read from its settings by its policy's declared parts, so a new policy needs nothing
 here; each policy gets its own line style in the order the policies first appear.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
-from h2o_stream.engine.policies import policy_class
+from h2o_stream.engine.policies import POLICIES, policy_class
 from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for callers)
 
 LINE_STYLES = ("-", "--", ":", "-.")
+
+
+def results_in(directory: str | os.PathLike) -> list[dict]:
+    """Every run result in `directory` (the `<run>.json` files of h2o-stream ppl; other JSON files are skipped),
+    ordered by policy and cache size."""
+    results = []
+    for path in sorted(Path(directory).glob("*.json")):
+        try:
+            result = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(result, dict) and isinstance(result.get("settings"), dict) and "curve" in result \
+                and "nll_sum" in result and result["settings"].get("policy") in POLICIES:
+            results.append(result)
+    return sorted(results, key=lambda r: (r["settings"]["policy"], cache_size(r) or 0))
+
+
+def title_of(results: list[dict]) -> str:
+    """'model · corpus' of the results (each distinct pair once)."""
+    pairs = dict.fromkeys(f"{r['settings'].get('model')} · {r['settings'].get('data')}" for r in results)
+    return " | ".join(pairs)
 
 
 def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> None:

@@ -2,7 +2,10 @@
 
 `PerplexityRun` is the state machine (cache, accumulated NLL, the pending prediction, the stream position); it can be
 checkpointed at any chunk boundary and resumed with bit-identical results, because nothing in it is random and the
-chunk boundaries are a function of the stream position alone.
+chunk boundaries are a function of the stream position alone. A checkpoint is only ever taken at a chunk boundary
+of the uninterrupted run (never after a last chunk that --tokens cut short), and it carries a digest of the tokens fed
+(`digest.StreamDigest`) so that a resume can check it continues the same stream. Checkpoints are verified files
+(`h2o_stream.files`): checked against their digest and read as plain data, never as code.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import psutil
 import torch
 
 from h2o_stream.engine.cache import StreamingCache
-from h2o_stream.errors import H2OStreamError
-from h2o_stream.files import atomic_path
 from h2o_stream.engine.policies import EvictionPolicy, make_policy
+from h2o_stream.errors import H2OStreamError, one_line
+from h2o_stream.files import UnverifiedFile, read_verified, write_verified
 
-CHECKPOINT_VERSION = 1
+from .digest import StreamDigest
+
+CHECKPOINT_KIND = "h2o-stream perplexity checkpoint"
+CHECKPOINT_VERSION = 2  # 1: unverified torch pickles (refused: they could run code)
 
 
 @dataclass
@@ -69,6 +75,7 @@ class PerplexityRun:
         self.curve_every = curve_every
         self.reset_per_book = reset_per_book
         self.cache = StreamingCache(model, policy, rolling=rolling)
+        self.cache.check_chunk_size(chunk_size)  # up front: the engine would refuse the second chunk otherwise
         context = self.cache.context
         if rolling and context and policy.budget is not None and policy.budget + chunk_size > context:
             raise H2OStreamError(f"cache size {policy.budget} + chunk size {chunk_size} exceeds the model's context "
@@ -86,12 +93,14 @@ class PerplexityRun:
         self.peak_rss = 0
         self.seconds = 0.0
         self.token_nll: list[torch.Tensor] | None = [] if record_tokens else None  # per-token NLLs, for tests
+        self.digest = StreamDigest()  # of the tokens fed, with their book: binds checkpoints to the corpus
 
     # -- feeding -------------------------------------------------------------------------------------------------
     @torch.no_grad()
     def feed_chunk(self, ids: torch.Tensor) -> None:
         """ids: (C,) tokens of one book, continuing the stream."""
         started = time.perf_counter()
+        self.digest.update(self.book, ids)
         ids = ids.to(self.model.device)
         logits = self.model(ids.unsqueeze(0), cache=self.cache).logits[0].float()
         if self.pending is None:  # the stream's (or, with reset_per_book, the book's) first token is not predicted
@@ -126,9 +135,11 @@ class PerplexityRun:
         """Consume (book index, token ids) pieces of the stream from the current position on.
 
         Chunks are cut at multiples of chunk_size of the stream position (per book with reset_per_book), so a resumed
-        run makes exactly the chunks an uninterrupted one would. `checkpoint()` is called after chunks at its own
-        pace; `on_progress(run, fed)` after every chunk; `before_cut_short(run)` once, before a last chunk that
-        `limit` cuts short (a checkpoint taken there lets a longer run resume as if never stopped).
+        run makes exactly the chunks an uninterrupted one would. `on_progress(run, fed)` is called after every chunk;
+        `checkpoint(run)` after every chunk an uninterrupted longer run would also make (all but a last chunk that
+        `limit` cuts short: a state there would make a longer resumed run cut its chunks differently);
+        `before_cut_short(run)` once, before such a last chunk (a checkpoint taken there lets a longer run resume as
+        if never stopped).
         """
         for index, ids in skip_tokens_of(pieces, self.position):
             self.start_book(index)
@@ -138,7 +149,8 @@ class PerplexityRun:
                     return
                 room = min(self.chunk_size - (self.position - self.book_start) % self.chunk_size,
                            ids.numel() - offset)
-                if limit is not None and limit - self.position < room:
+                cut_short = limit is not None and limit - self.position < room
+                if cut_short:
                     if before_cut_short is not None:
                         before_cut_short(self)
                     room = limit - self.position
@@ -147,7 +159,7 @@ class PerplexityRun:
                 offset += piece.numel()
                 if on_progress is not None:
                     on_progress(self, piece.numel())
-                if checkpoint is not None:
+                if checkpoint is not None and not cut_short:
                     checkpoint(self)
 
     @property
@@ -163,36 +175,72 @@ class PerplexityRun:
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:
-        return {"version": CHECKPOINT_VERSION, "settings": self.settings, "position": self.position,
-                "book": self.book, "book_start": self.book_start, "predicted": self.predicted,
-                "nll_sum": self.nll_sum, "pending": self.pending, "curve": self.curve,
-                "rss_samples": self.rss_samples, "peak_rss": self.peak_rss, "seconds": self.seconds,
+        """Everything a resumed run needs, as plain data (tensors, numbers, text, lists, dicts)."""
+        return {"settings": self.settings, "position": self.position, "book": self.book,
+                "book_start": self.book_start, "predicted": self.predicted, "nll_sum": self.nll_sum,
+                "pending": self.pending, "curve": self.curve, "rss_samples": self.rss_samples,
+                "peak_rss": self.peak_rss, "seconds": self.seconds, "stream": self.digest.state(),
                 "cache": self.cache.state()}
 
     def save(self, path: str | os.PathLike) -> None:
-        """Atomic: a killed write leaves the previous checkpoint intact."""
-        with atomic_path(path) as partial:
-            torch.save(self.state(), partial)
+        """Atomic and verified: a killed or failed write (OSError, e.g. a full disk) leaves the previous checkpoint
+        intact and no partial file."""
+        write_verified(path, CHECKPOINT_KIND, CHECKPOINT_VERSION, self.state())
+
+    def read(self, path: str | os.PathLike) -> dict:
+        """The state in the checkpoint at `path`, once it is known to be an intact h2o-stream checkpoint made with
+        this run's settings; an H2OStreamError naming the problem otherwise. The run is not changed."""
+        try:
+            state = read_verified(path, CHECKPOINT_KIND, CHECKPOINT_VERSION, map_location=self.model.device)
+        except UnverifiedFile as error:
+            raise H2OStreamError(f"cannot resume from {path}: the file {error}. A corrupt, foreign or altered "
+                                 "checkpoint is never used: delete it to start that run afresh, or choose another "
+                                 "--out") from None
+        settings = state.get("settings") if isinstance(state, dict) else None
+        if not isinstance(settings, dict):
+            raise H2OStreamError(f"cannot resume from {path}: it holds no run settings; delete it or choose another "
+                                 "--out")
+        if settings != self.settings:
+            raise H2OStreamError(f"checkpoint {path} was made with other settings "
+                                 f"({settings_difference(settings, self.settings)}); rerun with the same settings or "
+                                 "choose another --out")
+        return state
 
     def load(self, path: str | os.PathLike) -> None:
+        """Continue from the checkpoint at `path` (see `read`)."""
+        self.restore(self.read(path), path)
+
+    def restore(self, state: dict, path: str | os.PathLike = "the checkpoint") -> None:
+        """Take over a state that `read` returned; a state that does not fit is an H2OStreamError, the run unchanged."""
         try:
-            state = torch.load(path, map_location=self.model.device, weights_only=False)
-            version, settings = state["version"], state["settings"]
-        except Exception as error:  # noqa: BLE001 - any unreadable file is the same user problem
-            raise H2OStreamError(f"checkpoint {path} is corrupt or not an h2o-stream checkpoint "
-                                 f"({type(error).__name__}); delete it or choose another --out") from None
-        if version != CHECKPOINT_VERSION:
-            raise H2OStreamError(f"checkpoint {path} has format {version}, this version reads {CHECKPOINT_VERSION}")
-        if settings != self.settings:
-            differ = sorted(k for k in settings.keys() | self.settings.keys() if settings.get(k) != self.settings.get(k))
-            detail = ", ".join(f"{k}: {settings.get(k)!r} → {self.settings.get(k)!r}" for k in differ)
-            raise H2OStreamError(f"checkpoint {path} was made with other settings ({detail}); "
-                                 "rerun with the same settings or choose another --out")
-        self.cache.load_state(state["cache"])
-        self.position, self.book, self.book_start = state["position"], state["book"], state["book_start"]
-        self.predicted, self.nll_sum, self.pending = state["predicted"], state["nll_sum"], state["pending"]
-        self.curve, self.rss_samples = state["curve"], state["rss_samples"]
-        self.peak_rss, self.seconds = state["peak_rss"], state["seconds"]
+            counters = [state[k] for k in ("position", "book", "book_start", "predicted")]
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in counters) or min(counters[0::3]) < 0:
+                raise ValueError("bad counters")
+            if not isinstance(state["nll_sum"], torch.Tensor) or state["nll_sum"].dtype != torch.float64:
+                raise ValueError("bad NLL sum")
+            if state["pending"] is not None and not isinstance(state["pending"], torch.Tensor):
+                raise ValueError("bad pending prediction")
+            digest = StreamDigest(state["stream"])
+            if digest.count != state["position"]:
+                raise ValueError("the stream digest does not cover the position")
+            curve = [(int(n), float(p)) for n, p in state["curve"]]
+            rss_samples = [(int(n), int(b)) for n, b in state["rss_samples"]]
+            peak_rss, seconds = int(state["peak_rss"]), float(state["seconds"])
+            self.cache.load_state(state["cache"])
+        except H2OStreamError:
+            raise
+        except Exception as error:  # noqa: BLE001 - any misfit is the same user problem
+            raise H2OStreamError(f"checkpoint {path} does not fit this run ({one_line(error)}); delete it or choose "
+                                 "another --out") from None
+        self.position, self.book, self.book_start, self.predicted = counters
+        self.nll_sum, self.pending, self.digest = state["nll_sum"], state["pending"], digest
+        self.curve, self.rss_samples, self.peak_rss, self.seconds = curve, rss_samples, peak_rss, seconds
+
+
+def settings_difference(saved: dict, current: dict) -> str:
+    """"key: saved → current" for every setting that differs, e.g. "dtype: 'float32' → 'bfloat16'"."""
+    differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
+    return ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in differ)
 
 
 def skip_tokens_of(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:

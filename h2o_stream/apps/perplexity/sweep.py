@@ -1,12 +1,17 @@
 """A sweep: one resumable perplexity run per policy × cache size over a corpus, each with a checkpoint and a result file.
 
-Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result), `ppl.png` and `summary.json`.
-A result is `PerplexityResult.to_json()` plus `requested_tokens`, `corpus_exhausted` (the corpus ended first),
+Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result), `ppl.png` and `summary.json`
+(both over every run result in the directory, not only this call's). A result is `PerplexityResult.to_json()` plus
+`requested_tokens`, `corpus_exhausted` (the corpus ended first), `stream_sha256` (digest of the tokens fed),
 `versions` (h2o_stream, torch, transformers, python, threads) and `command`.
+
+Every run is checked before the first one starts (its policy, budget and chunk against the model, its checkpoint and
+result files, the corpus against its checkpoint: `binding`), so a bad one fails before any work or any write.
 """
 
 from __future__ import annotations
 
+import errno
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,20 +26,32 @@ from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
 from h2o_stream.version import __version__
-from .report import plot_curves
+from .binding import check_stream, data_path, model_fingerprint, plan
+from .interrupt import Interrupted, StopRequest
+from .report import plot_curves, results_in, title_of
 from .run import PerplexityRun, skip_tokens_of
+
+REPORTS = ("ppl.png", "summary.json")
 
 
 def run_specs(policies: list[str], sizes: list[int], parts: dict[str, int]) -> list[tuple[str, EvictionPolicy]]:
     """(run name, policy) for every policy × cache size, e.g. ('h2o-256', ...); a policy without budget parts (full)
-    runs once, named by itself. Each policy gets those of `parts` it declares; the others fill in its defaults."""
+    runs once, named by itself. Each policy gets those of `parts` it declares; the others fill in its defaults. A part
+    that none of the policies takes is an error (it would be silently ignored)."""
+    policies = list(dict.fromkeys(policies))
+    takes = {name: policy_class(name).part_names() for name in policies}
+    for part, value in parts.items():
+        if value is not None and not any(part in names for names in takes.values()):
+            taken = "; ".join(f"{name} takes {', '.join('--' + p for p in names) or 'no parts'}"
+                              for name, names in takes.items())
+            raise H2OStreamError(f"--{part} does not apply to {', '.join(policies)} ({taken}); drop it or add a "
+                                 "policy that takes it")
     specs = []
-    for name in dict.fromkeys(policies):
-        takes = policy_class(name).part_names()
-        if not takes:
+    for name in policies:
+        if not takes[name]:
             specs.append((name, make_policy(name)))
             continue
-        given = {k: v for k, v in parts.items() if v is not None and k in takes}
+        given = {k: v for k, v in parts.items() if v is not None and k in takes[name]}
         for size in dict.fromkeys(sizes):
             specs.append((f"{name}-{size}", make_policy(name, size, **given)))
     return specs
@@ -58,49 +75,79 @@ class Sweep:
     command: str = ""  # recorded in every result
 
     def check(self) -> None:
-        """Fail before the model is loaded: results in `out` without `resume`, or a corpus without books."""
-        if self.tokens < 1:
-            raise H2OStreamError(f"--tokens must be at least 1, got {self.tokens}")
+        """Fail before the model is loaded: results or reports in `out` without `resume`, or a corpus without books."""
+        if self.tokens < 2:
+            raise H2OStreamError(f"--tokens must be at least 2 (the stream's first token is not predicted), got "
+                                 f"{self.tokens}")
         out = Path(self.out)
-        existing = sorted(out.glob("*.ckpt")) + sorted(out.glob("*.json")) if out.exists() else []
+        existing = sorted(out.glob("*.ckpt")) + sorted(out.glob("*.json")) + [out / r for r in REPORTS] \
+            if out.is_dir() else []
+        existing = [path for path in existing if path.exists()]
         if existing and not self.resume:
             raise H2OStreamError(f"{out} already holds results ({existing[0].name}, ...); pass --resume to continue "
                                  "those runs or choose another --out")
         if next(iter_books(self.data), None) is None:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
 
-    def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None) -> list[dict]:
-        """Every run in turn (resumed from its checkpoint with `resume`); writes the files and returns the results.
-        `note` receives one line per event worth telling a user (a run starts, resumes, runs out of corpus)."""
+    def pieces(self, tokenizer):
+        """The stream as (book index, token ids) pieces, after --skip-tokens."""
+        books = ((i, torch.tensor(book_token_ids(b, tokenizer))) for i, b in enumerate(iter_books(self.data)))
+        return skip_tokens_of(books, self.skip_tokens)
+
+    def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
+            stop: StopRequest | None = None) -> list[dict]:
+        """Every run in turn (resumed from its checkpoint with `resume`); writes the files and returns the results of
+        every run in `out`. `note` receives one line per event worth telling a user (a run starts, resumes, runs out
+        of corpus). With `stop`, a requested stop checkpoints after the current chunk and raises `Interrupted`."""
         out = Path(self.out)
         out.mkdir(parents=True, exist_ok=True)
-        base = {"model": model_name, "data": describe_source(self.data), "skip_tokens": self.skip_tokens}
-        results = []
-        for name, policy in self.specs:
+        source = describe_source(self.data)
+        base = {"model": model_name, "model_weights": model_fingerprint(model),
+                "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type, "data": source,
+                "data_path": data_path(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
+
+        def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
+            return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
+                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base)
+
+        plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
+        # without rolling, a stream longer than the model's positions fails up front (count one token past them)
+        fixed_positions = not self.rolling and not self.reset_per_book
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+        streamed = check_stream(self.pieces(tokenizer), plans, tokens=self.tokens, reset_per_book=self.reset_per_book,
+                                source=source, skip_tokens=self.skip_tokens,
+                                count_to=context + 1 if fixed_positions else 0)
+        if fixed_positions:
+            new_run(self.specs[0][1]).cache.check_fits(streamed)
+        for (name, policy), start in zip(self.specs, plans):
+            if stop is not None and stop.requested:
+                raise Interrupted(stop.signum, None, None)
             note(f"== {name}: {policy.describe()}, chunk {self.chunk_size}, "
                  f"{'rolling' if self.rolling else 'no rolling'}")
-            run = PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
-                                curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base)
+            run = new_run(policy)
             checkpoint_path = out / f"{name}.ckpt"
-            if self.resume and checkpoint_path.exists():
+            if start.position:
                 run.load(checkpoint_path)
                 note(f"   resumed at token {run.position:,}")
-            pieces = ((i, torch.tensor(book_token_ids(b, tokenizer))) for i, b in enumerate(iter_books(self.data)))
-            execute(run, skip_tokens_of(pieces, self.skip_tokens), self.tokens, checkpoint_path,
-                    self.checkpoint_every)
+            execute(run, self.pieces(tokenizer), self.tokens, checkpoint_path, self.checkpoint_every, stop, name)
+            if not run.predicted:  # check_stream makes this unreachable; never write a NaN result
+                raise H2OStreamError(f"{name} had nothing to predict")
             result = result_record(run, self.tokens, self.command)
             if result["corpus_exhausted"]:
                 note(f"   the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
-            write_json(out / f"{name}.json", result)
-            results.append(result)
-        plot_curves(results, out / "ppl.png", f"{model_name} · {base['data']}")
-        write_json(out / "summary.json", [{k: v for k, v in r.items() if k != "curve"} for r in results])
+            write(out / f"{name}.json", lambda path: write_json(path, result))
+        results = results_in(out)
+        write(out / "ppl.png", lambda path: plot_curves(results, path, title_of(results)))
+        write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
+                                                                 for r in results]))
         return results
 
 
-def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, checkpoint_every: int) -> None:
+def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, checkpoint_every: int,
+            stop: StopRequest | None = None, name: str | None = None) -> None:
     """Feed `run` up to `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and
-    at the end, so that a resumed or extended run equals an uninterrupted one."""
+    at the end, so that a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after
+    the current chunk and raises `Interrupted`."""
     last_checkpoint = run.position
     bar = tqdm(total=tokens, initial=min(run.position, tokens), unit="tok", unit_scale=True, dynamic_ncols=True,
                disable=None)
@@ -110,11 +157,25 @@ def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, chec
         if r.predicted:
             bar.set_postfix(ppl=f"{r.running_ppl:.2f}", refresh=False)
 
-    def checkpoint(r: PerplexityRun) -> None:
+    def save(r: PerplexityRun) -> None:
         nonlocal last_checkpoint
-        if r.position - last_checkpoint >= checkpoint_every:
+        try:
             r.save(checkpoint_path)
-            last_checkpoint = r.position
+        except OSError as error:
+            full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+            kept = (f"the last good checkpoint, at token {last_checkpoint:,}, is kept" if checkpoint_path.exists()
+                    else "there is no earlier checkpoint of this run")
+            raise H2OStreamError(f"could not write the checkpoint {checkpoint_path}: {error.strerror or error}{full}; "
+                                 f"no partial file is left and {kept}. Free some space and continue with --resume"
+                                 ) from None
+        last_checkpoint = r.position
+
+    def checkpoint(r: PerplexityRun) -> None:
+        if stop is not None and stop.requested:
+            save(r)
+            raise Interrupted(stop.signum, name or checkpoint_path.stem, r.position)
+        if r.position - last_checkpoint >= checkpoint_every:
+            save(r)
 
     cut_short = False
 
@@ -122,15 +183,23 @@ def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, chec
         # The last chunk is cut short by --tokens: checkpoint before it, so that a later --resume with more --tokens
         # feeds it whole and equals an uninterrupted run.
         nonlocal cut_short
-        r.save(checkpoint_path)
+        save(r)
         cut_short = True
 
     try:
         run.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
     finally:
         bar.close()
-    if not cut_short:
-        run.save(checkpoint_path)
+    if not cut_short and run.position != last_checkpoint:
+        save(run)
+
+
+def write(path: Path, writer: Callable[[Path], None]) -> None:
+    """`writer(path)`, a failed write (a full disk) as one clear error; the previous file stays intact."""
+    try:
+        writer(path)
+    except OSError as error:
+        raise H2OStreamError(f"could not write {path}: {error.strerror or error}; the previous file is kept") from None
 
 
 def result_record(run: PerplexityRun, requested_tokens: int, command: str) -> dict:
@@ -138,6 +207,7 @@ def result_record(run: PerplexityRun, requested_tokens: int, command: str) -> di
     result = run.result().to_json()
     result["requested_tokens"] = requested_tokens
     result["corpus_exhausted"] = run.position < requested_tokens
+    result["stream_sha256"] = run.digest.hexdigest()
     result["versions"] = versions()
     result["command"] = command
     return result

@@ -1,0 +1,76 @@
+"""Shared set-up of the `h2o-stream ppl` hardening tests (tests/test_ppl_*.py): a tiny model directory, a corpus, the
+command run in-process (its exit status, stdout and stderr) or as a subprocess, and file snapshots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_model_dir
+
+from h2o_stream.cli import main
+
+TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+
+
+@pytest.fixture(scope="module")
+def ppl_model_dir(tmp_path_factory):
+    """A tiny llama with a character tokenizer (it adds a BOS), as a model directory."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-ppl-model"), init_std=0.2)
+
+
+def write_corpus(path: Path, books: int = 3, text: str = TEXT) -> Path:
+    """A .jsonl corpus of `books` books, each a shifted slice of `text`."""
+    rows = [{"short_book_title": f"Book {i}", "text": text[i * 50:]} for i in range(books)]
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    return path
+
+
+def ppl(capsys, *args) -> tuple[int, str, str]:
+    """`h2o-stream ppl ARGS` in-process: (exit status, stdout, stderr)."""
+    try:
+        main(["ppl", *map(str, args)])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def ppl_error(capsys, *args) -> str:
+    """The one `Error:` line of a ppl call that must fail with exit status 2 and no traceback."""
+    code, _, stderr = ppl(capsys, *args)
+    assert code == 2, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: ") and "Traceback" not in stderr, stderr
+    return last
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file in `directory` (names and bytes), to show that a refused call changed nothing."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+def result(out: Path, name: str) -> dict:
+    return json.loads((out / f"{name}.json").read_text())
+
+
+def ppl_command(*args) -> list[str]:
+    """The command line that runs `h2o-stream ppl ARGS` in a subprocess."""
+    return [sys.executable, "-m", "h2o_stream", "ppl", *map(str, args)]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    """One thread (identical numbers in every process) and no progress bars."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **extra}
+
+
+def run_to_end(command: list[str], **env: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, env=subprocess_env(**env), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    return done
