@@ -14,9 +14,8 @@ import time
 
 from ppl_helpers import ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
 
+from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import WRITE_DELAY_ENV, read_verified
-
-CHECKPOINT_KIND, CHECKPOINT_VERSION = "h2o-stream perplexity checkpoint", 2
 
 
 def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 120) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from ppl_helpers import ppl, ppl_error, ppl_model_dir, snapshot, write_corpus  # noqa: F401
 
+from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import MAGIC, UnverifiedFile, read_verified, remove_partials, write_verified
 
 KIND = "test file"
@@ -120,7 +121,7 @@ def test_resume_from_a_crafted_checkpoint_runs_no_code(checkpointed, tmp_path, c
     args, out = checkpointed
     marker = tmp_path / "marker"
     body = crafted_body(marker)
-    (out / "h2o-16.ckpt").write_bytes(with_header(body, "h2o-stream perplexity checkpoint", 2) if framed else body)
+    (out / "h2o-16.ckpt").write_bytes(with_header(body, CHECKPOINT_KIND, CHECKPOINT_VERSION) if framed else body)
     before = snapshot(out)
     message = ppl_error(capsys, *args, 600, "--resume")
     assert "is never used" in message and str(out / "h2o-16.ckpt") in message
