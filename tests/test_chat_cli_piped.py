@@ -5,12 +5,13 @@ from __future__ import annotations
 import subprocess
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, tiny_tokenizer  # noqa: F401
 from h2o_stream.apps.chat import CHAT_SAMPLING
+from h2o_stream.apps.chat.session_file import SESSION_FORMAT, SESSION_VERSION
 from h2o_stream.cli.chat import chat
+from h2o_stream.files import read_verified
 
 
 def run_chat(args, stdin, monkeypatch=None):
@@ -54,7 +55,7 @@ def test_sampling_options_reach_the_session(model_dir, tmp_path, monkeypatch):
                       f"hello\n/save {path}\n/load {path}\n", monkeypatch)
     assert result.exit_code == 0, result.output
     assert "temperature 0.5, top-p 0.8, repetition-penalty 1.4, max-new-tokens 3" in result.stdout
-    sampling = torch.load(path, weights_only=True)["sampling"]
+    sampling = read_verified(path, SESSION_FORMAT, SESSION_VERSION)["sampling"]
     assert sampling == {"temperature": 0.5, "top_p": 0.8, "max_new_tokens": 3, "seed": 9, "top_k": 7,
                         "repetition_penalty": 1.4, "no_repeat_ngram_size": 3}
 
@@ -63,7 +64,7 @@ def test_the_command_line_defaults_are_the_chats(model_dir, tmp_path, monkeypatc
     path = tmp_path / "s.pt"
     result = run_chat(["--model", model_dir, "--max-new-tokens", 2], f"hello\n/save {path}\n", monkeypatch)
     assert result.exit_code == 0, result.output
-    sampling = torch.load(path, weights_only=True)["sampling"]
+    sampling = read_verified(path, SESSION_FORMAT, SESSION_VERSION)["sampling"]
     assert {k: sampling[k] for k in CHAT_SAMPLING} == {**CHAT_SAMPLING, "max_new_tokens": 2}
 
 

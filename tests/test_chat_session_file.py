@@ -3,6 +3,8 @@ nothing."""
 
 from __future__ import annotations
 
+import io
+import os
 from pathlib import Path
 
 import pytest
@@ -11,8 +13,9 @@ import torch
 from chat_helpers import TRAINING_TEXTS, assert_same_state, session_for, session_state, tiny_tokenizer  # noqa: F401
 from h2o_stream import H2OStreamError, make_policy
 from h2o_stream.apps.chat import ChatSession, Sampling, chat_format
-from h2o_stream.apps.chat.session_file import digest
+from h2o_stream.apps.chat.session_file import SESSION_FORMAT, SESSION_VERSION
 from h2o_stream.engine.feed import feed
+from h2o_stream.files import MAGIC, read_verified, write_verified
 from tiny_models import tiny_llama
 
 
@@ -65,11 +68,23 @@ def saved(model, tokenizer, tmp_path):
     return session.save(tmp_path / "chat.pt")
 
 
-def resave(state: dict, path: Path) -> None:
+def read_state(path: Path) -> dict:
+    return read_verified(path, SESSION_FORMAT, SESSION_VERSION)
+
+
+def resave(state: dict, path: Path, version: int = SESSION_VERSION) -> None:
     """As a session file written by a buggy or other h2o-stream would be: well-formed, with a valid checksum."""
-    state.pop("digest", None)
-    state["digest"] = digest(state)
-    torch.save(state, path)
+    write_verified(path, SESSION_FORMAT, version, state)
+
+
+class RunsCode:
+    """Unpickling this would run a shell command (what a crafted file does)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
@@ -82,21 +97,28 @@ def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
     (tmp_path / "flipped.pt").write_bytes(bytes(flipped))
     torch.save({"some": "dict"}, tmp_path / "other.pt")
     torch.save(torch.zeros(3), tmp_path / "tensor.pt")
-    state = torch.load(saved, weights_only=True)
+    state = read_state(saved)
     state["cache"]["layers"][0]["keys"] = state["cache"]["layers"][0]["keys"][:, :1]
     resave(state, tmp_path / "bad-shapes.pt")
-    state = torch.load(saved, weights_only=True)
-    state["version"] = 99
-    resave(state, tmp_path / "future.pt")
-    state = torch.load(saved, weights_only=True)
+    resave(read_state(saved), tmp_path / "future.pt", version=99)
+    state = read_state(saved)
     del state["counters"]["turns"]
     resave(state, tmp_path / "no-counter.pt")
-    state = torch.load(saved, weights_only=True)
+    state = read_state(saved)
     state["sampling"]["repetition_penalty"] = 0.5
     resave(state, tmp_path / "bad-sampling.pt")
-    state = torch.load(saved, weights_only=True)
+    state = read_state(saved)
     state["cache"]["layers"][1]["scores"][0, 0, 0] += 1
-    torch.save(state, tmp_path / "edited.pt")  # edited without updating its checksum
+    body = io.BytesIO()
+    torch.save(state, body)
+    header = data[:data.index(b"\n", len(MAGIC)) + 1]
+    (tmp_path / "edited.pt").write_bytes(header + body.getvalue())  # edited without updating its checksum
+    # a session as h2o-stream wrote it before verified files (format 1: a torch pickle with its own digest)
+    torch.save({"format": SESSION_FORMAT, "version": 1, **read_state(saved), "digest": "0" * 64},
+               tmp_path / "format-1.pt")
+    write_verified(tmp_path / "checkpoint.pt", "h2o-stream perplexity checkpoint", 2, {"tokens": 10})
+    write_verified(tmp_path / "crafted.pt", SESSION_FORMAT, SESSION_VERSION,
+                   {**read_state(saved), "recent": RunsCode(tmp_path / "ran")})  # a valid header and digest
     return {
         "missing.pt": "no session file",
         "truncated.pt": "not a readable chat session",
@@ -110,6 +132,9 @@ def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
         "bad-sampling.pt": "repetition-penalty",
         "edited.pt": "damaged chat session",
         ".": "is a directory",
+        "format-1.pt": "saved by an older h2o-stream \\(session format 1, before verified files\\)",
+        "checkpoint.pt": "not an h2o-stream chat session: it is a h2o-stream perplexity checkpoint",
+        "crafted.pt": "not a readable chat session: the file holds something other than plain data",
     }
 
 
@@ -122,6 +147,7 @@ def test_load_refuses_missing_corrupt_and_foreign_files_and_leaves_the_session_a
         with pytest.raises(H2OStreamError, match=message):
             session.load(tmp_path / name)
         assert_same_state(session_state(session), before)
+    assert not (tmp_path / "ran").exists()  # the crafted file's code never ran
     # the session still works, and a good file still loads
     session.chat("hello")
     session.load(saved)

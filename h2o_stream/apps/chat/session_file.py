@@ -1,15 +1,16 @@
 """The chat session file: what /save writes and /load reads back, and every check in between.
 
-A file holds the cache (keys, values, positions, scores), counters, settings and the sampler's RNG state, plus a
-sha256 digest over all of it (torch's zip reader does not check the tensors' bytes). It is read with
-`weights_only=True`, so nothing in it is executed, and it resumes only with the same model (architecture, dtype,
-weights), tokenizer and chat format. `load` checks everything before the session changes at all.
+A session is a verified file (`h2o_stream.files`, the one format for every file h2o-stream reads back): a header
+with its kind, format version, size and sha256, checked before anything is deserialized, then the cache (keys,
+values, positions, scores), counters, settings and the sampler's RNG state as plain data (`weights_only`), so
+nothing in it is executed. It resumes only with the same model (architecture, dtype, weights), tokenizer and chat
+format. `load` checks everything before the session changes at all. Format 1 (before verified files) is recognised
+and refused with its own message.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import time
 from collections import deque
@@ -21,14 +22,15 @@ import torch
 from h2o_stream.engine.cache import StreamingCache
 from h2o_stream.engine.policies import EvictionPolicy, policy_class
 from h2o_stream.errors import H2OStreamError, one_line
-from h2o_stream.files import atomic_path
+from h2o_stream.files import MAGIC, UnverifiedFile, read_verified, write_verified
 from h2o_stream.generation import Sampling
 
 from .formats import ChatFormat, chat_format
 from .stats import TurnResult
 
-SESSION_FORMAT = "h2o-stream chat session"
-SESSION_VERSION = 1
+SESSION_FORMAT = "h2o-stream chat session"  # the verified file's kind
+SESSION_VERSION = 2  # 1: a torch pickle with an inner digest (before verified files); recognised, not resumed
+_HEAD_BYTES = 4096  # enough of a file to tell a verified file, a format-1 session and anything else apart
 RECENT_MESSAGES = 6  # messages kept as text (for display after /load); the cache is what the model remembers
 _PROBE_TEXT = "Hello, world! 123 Ünïcode ✓"
 _COUNTERS = {"turns": int, "prompt_tokens": int, "generated_tokens": int, "prompt_seconds": float,
@@ -67,8 +69,6 @@ def save(session, path: str | os.PathLike) -> Path:
     if not path.parent.is_dir():
         raise H2OStreamError(f"cannot save the session to {path}: the directory {path.parent} does not exist")
     state = {
-        "format": SESSION_FORMAT,
-        "version": SESSION_VERSION,
         "model": session.fingerprint,
         "tokenizer": tokenizer_fingerprint(session.tokenizer, session.format),
         "policy": session.cache.policy.settings(),
@@ -83,16 +83,8 @@ def save(session, path: str | os.PathLike) -> Path:
         "cache": session.cache.state(),
         "saved_at": time.time(),
     }
-    state["digest"] = digest(state)
-    # Serialized in memory first: torch's writer reports a full disk mid-tensor as a RuntimeError ("unexpected
-    # pos"), a plain write as the OSError it is.
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    try:
-        with atomic_path(path) as partial, open(partial, "wb") as file:
-            file.write(buffer.getbuffer())
-            file.flush()
-            os.fsync(file.fileno())  # on disk before it replaces a good older file
+    try:  # serialized in memory, then written atomically and fsynced: a failed write is an OSError, never half a file
+        write_verified(path, SESSION_FORMAT, SESSION_VERSION, state)
     except OSError as error:
         raise H2OStreamError(f"cannot save the session to {path}: {error.strerror or error}") from error
     return path
@@ -153,55 +145,33 @@ def load(session, path: str | os.PathLike) -> Resumed:
 
 
 def read(path: Path) -> dict:
-    """The file's contents, if it is an intact h2o-stream chat session."""
+    """The file's contents, if it is an intact h2o-stream chat session of this format version."""
     if not path.exists():
         raise H2OStreamError(f"no session file at {path}")
     if not path.is_file():
         raise H2OStreamError(f"{path} is not a session file (it is a directory)")
     try:
-        # weights_only: a session file is plain data (tensors, numbers, text); nothing in it gets executed.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception:  # torch's own message is about pickles and weights_only, which would mislead here
-        raise H2OStreamError(f"{path} is not a readable chat session: the file is corrupt or truncated, or was not "
-                             "written by h2o-stream chat's /save") from None
-    if not isinstance(state, dict) or state.get("format") != SESSION_FORMAT:
-        raise H2OStreamError(f"{path} is not an h2o-stream chat session")
-    if state.get("version") == SESSION_VERSION:
-        try:
-            intact = state.get("digest") == digest({k: v for k, v in state.items() if k != "digest"})
-        except Exception:
-            intact = False
-        if not intact:
-            # torch's zip reader does not check the tensors' bytes; the digest does
-            raise H2OStreamError(f"{path} is a damaged chat session (its contents do not match their checksum)")
-    return state
-
-
-def digest(value) -> str:
-    """sha256 over everything in a session (tensors by dtype, shape and bytes), in a fixed order."""
-    sha = hashlib.sha256()
-
-    def walk(item):
-        if isinstance(item, torch.Tensor):
-            tensor = item.detach().to("cpu").contiguous()
-            sha.update(f"T{tensor.dtype}{tuple(tensor.shape)}".encode())
-            sha.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
-        elif isinstance(item, dict):
-            sha.update(b"{")
-            for key in sorted(item, key=repr):
-                sha.update(repr(key).encode())
-                walk(item[key])
-            sha.update(b"}")
-        elif isinstance(item, (list, tuple)):
-            sha.update(b"[")
-            for element in item:
-                walk(element)
-            sha.update(b"]")
-        else:
-            sha.update(repr(item).encode())
-
-    walk(value)
-    return sha.hexdigest()
+        with open(path, "rb") as file:
+            head = file.read(_HEAD_BYTES)
+    except OSError as error:
+        raise H2OStreamError(f"cannot read {path}: {error.strerror or error}") from None
+    if not head.startswith(MAGIC):
+        if head.startswith(b"PK\x03\x04") and SESSION_FORMAT.encode() in head:  # a torch zip: its pickle comes first
+            raise H2OStreamError(f"{path} is a chat session saved by an older h2o-stream (session format 1, before "
+                                 f"verified files); this version reads format {SESSION_VERSION} and cannot resume it: "
+                                 "start a new session")
+        raise H2OStreamError(f"{path} is not a readable chat session: it is not an h2o-stream chat session file (the "
+                             "file is corrupt or truncated, or was not written by h2o-stream chat's /save)")
+    try:
+        return read_verified(path, SESSION_FORMAT, SESSION_VERSION)
+    except UnverifiedFile as error:
+        if error.found_kind is not None and error.found_kind != SESSION_FORMAT:
+            raise H2OStreamError(f"{path} is not an h2o-stream chat session: it is a {error.found_kind}") from None
+        if error.found_version is not None and error.found_version != SESSION_VERSION:
+            raise H2OStreamError(f"{path} is a chat session of format version {error.found_version}; this "
+                                 f"h2o-stream reads version {SESSION_VERSION}") from None
+        raise H2OStreamError(f"{path} is not a readable chat session: the file {error} (a damaged chat session is "
+                             "never used: load another file or start a new session)") from None
 
 
 def _describe_model(fp: dict) -> str:
@@ -210,11 +180,9 @@ def _describe_model(fp: dict) -> str:
 
 
 def check(state: dict, path: Path, model_fp: dict, tokenizer_fp: dict) -> dict:
-    """Version, model, tokenizer and counters of a read session; its counters."""
-    version = state.get("version")
-    if version != SESSION_VERSION:
-        raise H2OStreamError(f"{path} is a chat session of format version {version}; this h2o-stream reads version "
-                             f"{SESSION_VERSION}")
+    """Model, tokenizer and counters of a read session; its counters."""
+    if not isinstance(state, dict):
+        raise ValueError(f"the file holds a {type(state).__name__}, not a session")
     saved = state["model"]
     if not isinstance(saved, dict):
         raise ValueError("no model fingerprint")
