@@ -4,7 +4,8 @@ It runs the model's own layers one token at a time with every position id set to
 identity and the attention function receives un-rotated queries and keys. Everything the design specifies is then
 done here, plainly: per layer and per KV head a Python list of entries (stream position, key, value, score); each step
 the new entry is appended, keys are rotated to their slot and the query to the new slot (plain RoPE, float64), the
-softmax probabilities are added to the scores as Python floats, and the cut follows the rules word for word.
+softmax probabilities become scores as Python floats (summed, decayed, or the current step's alone; per KV head or
+averaged over the layer's heads), and the cut follows the rules word for word.
 Covers Llama-style models with default RoPE.
 """
 
@@ -25,7 +26,23 @@ class Entry:
     position: int
     key: torch.Tensor  # un-rotated, float64
     value: torch.Tensor
+    token: int = -1
     score: float = 0.0
+
+
+def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
+    """(1, length) random token ids for comparing `policy` with the oracle.
+
+    For a policy that ranks keys (keydiff) the tokens are distinct: with rolling, two copies of a token have the
+    same un-rotated first-layer key, an exact tie that the engine's stored keys (rotated by the model, un-rotated
+    again) break by rounding noise. Which copy survives then changes no output, but the kept positions would not
+    be comparable.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    if policy.needs_keys:
+        assert length <= vocab - 2
+        return (torch.randperm(vocab - 2, generator=generator)[:length] + 2).unsqueeze(0)
+    return torch.randint(2, vocab, (1, length), generator=generator)
 
 
 def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
@@ -38,14 +55,19 @@ def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor
 
 class Oracle:
     #: the policies whose cut rules `cut` spells out (the engine tests compare these)
-    POLICIES = ("full", "window", "sink", "h2o")
+    POLICIES = ("full", "window", "sink", "h2o", "h2o_sinks", "a2sf", "tova", "sepllm", "keydiff")
 
     def __init__(self, model, policy_name: str, *, sinks: int = 0, heavy: int = 0, recent: int = 0,
-                 rolling: bool = True):
+                 states: int = 0, separators: int = 0, diverse: int = 0, alpha: float = 1.0,
+                 per_head: bool = False, separator_ids=(), rolling: bool = True):
         config = model.config
         assert config.rope_parameters["rope_type"] == "default"
+        assert policy_name in self.POLICIES
         self.model = model
         self.policy_name, self.sinks, self.heavy, self.recent = policy_name, sinks, heavy, recent
+        self.states, self.separators, self.diverse = states, separators, diverse
+        self.alpha, self.per_head, self.separator_ids = alpha, per_head, set(separator_ids)
+        self.budget = None if policy_name == "full" else sinks + heavy + recent + states + separators + diverse
         self.rolling = rolling
         self.head_dim = config.hidden_size // config.num_attention_heads
         theta = config.rope_parameters["rope_theta"]
@@ -55,10 +77,16 @@ class Oracle:
         self.t = 0
         AttentionInterface.register(_ORACLE_NAME, _oracle_attention)
 
+    @classmethod
+    def for_policy(cls, model, policy, *, rolling: bool = True) -> "Oracle":
+        """The oracle for an engine policy object: its name and every field (parts, settings, separator ids)."""
+        return cls(model, policy.name, rolling=rolling, **vars(policy))
+
     def step(self, token: int) -> torch.Tensor:
         previous = self.model.config._attn_implementation
         self.model.set_attn_implementation(_ORACLE_NAME)
         _running.append(self)
+        self.token = token
         try:
             ids = torch.tensor([[token]])
             logits = self.model(ids, position_ids=torch.zeros_like(ids), use_cache=False).logits[0, -1]
@@ -75,8 +103,8 @@ class Oracle:
         """query (q_heads, dim), key/value (kv_heads, dim), all un-rotated; returns (q_heads, dim)."""
         heads = self.entries[layer]
         for h, entries in enumerate(heads):
-            entries.append(Entry(self.t, key[h].double(), value[h].double()))
-        outputs = []
+            entries.append(Entry(self.t, key[h].double(), value[h].double(), self.token))
+        outputs, probs_of = [], []
         for q_head in range(query.shape[0]):
             entries = heads[q_head // self.group]
             n = len(entries) - 1  # the new token's slot
@@ -93,26 +121,57 @@ class Oracle:
             out = torch.zeros(value.shape[-1], dtype=torch.float64)
             for p, e in zip(probs, entries):
                 out += p * e.value
-                e.score += p
             outputs.append(out)
+            probs_of.append(probs)
+        self.score(heads, probs_of)
         for h in range(len(heads)):
             heads[h] = self.cut(heads[h])
         return torch.stack(outputs)
 
+    def score(self, heads: list[list[Entry]], probs_of: list[list[float]]) -> None:
+        """Turn this step's probabilities (per query head, per slot) into the entries' scores."""
+        for h, entries in enumerate(heads):
+            for slot, e in enumerate(entries):
+                # what KV head h's entry received: its query heads summed, or the mean over every query head
+                if self.policy_name == "tova" and not self.per_head:
+                    assert all(other[slot].position == e.position for other in heads)  # one decision per layer
+                    received = sum(probs[slot] for probs in probs_of) / len(probs_of)
+                else:
+                    received = sum(probs_of[q][slot] for q in range(h * self.group, (h + 1) * self.group))
+                if self.policy_name == "tova":
+                    e.score = received  # only the current query's attention
+                elif self.policy_name == "a2sf":
+                    e.score = self.alpha * e.score + received
+                else:
+                    e.score += received
+
     def cut(self, entries: list[Entry]) -> list[Entry]:
-        budget = {"full": None, "window": self.recent, "sink": self.sinks + self.recent,
-                  "h2o": self.heavy + self.recent}[self.policy_name]
-        if budget is None or len(entries) <= budget:
+        if self.budget is None or len(entries) <= self.budget:
             return entries
+        if self.policy_name == "tova":  # drop the lowest score (ties: the newer entry goes); no window, no sinks
+            kept = sorted(entries, key=lambda e: (-e.score, e.position))[: self.budget]
+            return sorted(kept, key=lambda e: e.position)
         split = len(entries) - self.recent
         recent = entries[split:]
+        sinks = [e for e in entries[:split] if e.position < self.sinks]
+        others = [e for e in entries[:split] if e.position >= self.sinks]
         if self.policy_name == "window":
             return recent
         if self.policy_name == "sink":
-            return [e for e in entries[:split] if e.position < self.sinks] + recent
-        # h2o: the `heavy` highest scores among the non-recent entries, ties to the older one; kept in stream order
-        heavy = sorted(entries[:split], key=lambda e: (-e.score, e.position))[: self.heavy]
-        return sorted(heavy, key=lambda e: e.position) + recent
+            return sinks + recent
+        if self.policy_name in ("h2o", "h2o_sinks", "a2sf"):
+            # the `heavy` highest scores among the others, ties to the older one; kept in stream order
+            chosen = sorted(others, key=lambda e: (-e.score, e.position))[: self.heavy]
+        elif self.policy_name == "sepllm":
+            # the most recent separators; spare slots to the most recent other entries
+            chosen = sorted(others, key=lambda e: (e.token in self.separator_ids, e.position), reverse=True)
+            chosen = chosen[: self.separators]
+        else:  # keydiff: the keys least similar to the mean unit key of everything held, ties to the older one
+            keys = [e.key if self.rolling else rope(e.key, e.position, self.inv_freq) for e in entries]
+            anchor = sum(k / k.norm() for k in keys) / len(keys)
+            similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm())) for e, k in zip(entries, keys)}
+            chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[: self.diverse]
+        return sinks + sorted(chosen, key=lambda e: e.position) + recent
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

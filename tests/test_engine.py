@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import Oracle
+from oracle import Oracle, stream_for
 from policy_matrix import ALL, EVICTING
-from tiny_models import FAMILIES, random_ids, tiny_model
+from tiny_models import FAMILIES, VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
@@ -44,9 +44,9 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
     budget = 8
     model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
     spec = make_policy(policy, budget)
-    oracle = Oracle(model, policy, rolling=rolling, **spec.split())
+    oracle = Oracle.for_policy(model, spec, rolling=rolling)
     cache = StreamingCache(model, spec, rolling=rolling)
-    ids = random_ids(10 * budget, seed=kv_heads)
+    ids = stream_for(spec, 10 * budget, seed=kv_heads, vocab=VOCAB)
     for t in range(ids.shape[1]):
         engine_logits = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
         oracle_logits = oracle.step(int(ids[0, t]))
@@ -54,11 +54,16 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
         for layer_idx, layer in enumerate(cache.layers):
             for head in range(kv_heads):
                 assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (t, layer_idx)
-    # The test is only meaningful if eviction happened and, for h2o, heads chose differently somewhere.
+    # The test is only meaningful if eviction happened and, for policies that decide per KV head from scores or
+    # keys, heads chose differently somewhere (one that decides per layer keeps the same entries in every head).
     assert cache.evicted > 0
-    if policy == "h2o" and kv_heads > 1:
+    per_head = (spec.needs_scores or spec.needs_keys) and spec.score_heads == "kv"
+    if per_head and kv_heads > 1:
         kept = [tuple(layer.positions[0, h].tolist()) for layer in cache.layers for h in range(kv_heads)]
         assert len(set(kept)) > 1
+    if spec.score_heads == "layer":
+        assert all(torch.equal(layer.positions[:, :1].expand_as(layer.positions), layer.positions)
+                   for layer in cache.layers)
 
 
 @pytest.mark.parametrize("policy", EVICTING)

@@ -33,7 +33,8 @@ def test_every_module_of_the_policies_folder_is_imported_and_registers_its_polic
     registered = {cls.__module__.rsplit(".", 1)[-1] for cls in POLICIES.values()}
     assert modules == registered
     assert {"full", "h2o", "sink", "window"} <= set(ALL)  # the matrix the other tests draw from is not empty
-    assert set(SCORED) == {"h2o"} and {"sink", "window"} <= set(BANDED) and "full" not in EVICTING
+    assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova"} and set(BANDED) == {"sink", "window"}
+    assert "full" not in EVICTING and {"keydiff"} <= set(EVICTING) - set(SCORED) - set(BANDED)
 
 
 def test_every_policy_hook_the_engine_and_the_perplexity_app_use_is_declared_on_the_base_class():
@@ -136,8 +137,8 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     runner = CliRunner()
     text = " ".join(runner.invoke(probe, ["--help"]).output.split())
     assert "--oldest SLOTS oldest: the stream's first entries (default: 0.25 of the cache size)." in text
-    assert "--recent SLOTS h2o, sink, window, oldest: recent-window slots" in text
-    assert "Eviction policy: full, h2o, sink, window, oldest." in text
+    assert "--recent SLOTS a2sf, h2o, h2o_sinks, keydiff, sepllm, sink, window, oldest: recent-window slots" in text
+    assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, sepllm, sink, tova, window, oldest." in text
     result = runner.invoke(probe, ["--oldest", "3"])
     assert json.loads(result.output) == ["oldest", 32, {"oldest": 3}, "oldest(oldest=3, recent=29)"]
     result = runner.invoke(probe, ["--cache-size", "big"])

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import torch
 
-def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0):
+def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
+                       last_query=False):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
-    and over the query heads that share its KV head: (batch, kv_heads, k_len).
+    (only the last one with `last_query`) and over the query heads that share its KV head: (batch, kv_heads, k_len).
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     """
@@ -29,7 +30,7 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
             mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    received = probs.sum(dim=(2, 3))
+    received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received
@@ -87,3 +88,9 @@ def sink_queries(roller, query: torch.Tensor, cached: int, budget: int, sinks: i
     slots = torch.arange(cached, cached + length, device=query.device)
     raw = roller.rotate_by(query, slots, inverse=True, length=cached + length)
     return roller.rotate_by(raw, slots.clamp(max=budget), inverse=False, length=cached + length)
+
+
+def layer_mean(received: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """Per-KV-head sums (batch, kv_heads, k_len) → the mean over all `q_heads` query heads of the layer, the same
+    for every KV head (a policy that decides once per layer)."""
+    return (received.sum(dim=1, keepdim=True) / q_heads).expand_as(received)

@@ -32,7 +32,9 @@ class StreamingLayer(CacheLayerMixin):
         self.policy = policy
         self.roller = roller
         self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
-        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) accumulated attention, if the policy uses it
+        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) attention scores, if the policy uses them
+        self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
+        self.pending_tokens: torch.Tensor | None = None  # (batch, C) ids of the forward now running (needs_tokens)
         self.seen = 0  # tokens this layer has been given
         self.evicted = 0  # entries cut, summed over heads
         self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -46,6 +48,8 @@ class StreamingLayer(CacheLayerMixin):
         # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
         score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
         self.scores = torch.empty(batch, heads, 0, dtype=score_dtype, device=self.device)
+        if self.policy.needs_tokens:
+            self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
 
     @property
@@ -65,14 +69,18 @@ class StreamingLayer(CacheLayerMixin):
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
         self.scores = torch.nn.functional.pad(self.scores, (0, c))
+        if self.tokens is not None:
+            new_tokens = self.pending_tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
+            self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
         self.seen += c
         keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
         return keys, self.values
 
     def after_attention(self, received: torch.Tensor | None) -> None:
-        """Add the attention each entry just received (batch, kv_heads, n), then cut back to the budget."""
+        """Fold the attention each entry just received (batch, kv_heads, n) into the scores (the policy's
+        `update_scores`), then cut back to the budget."""
         if received is not None:
-            self.scores += received
+            self.policy.update_scores(self.scores, received)
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
@@ -82,6 +90,8 @@ class StreamingLayer(CacheLayerMixin):
         self.values = _take(self.values, rows, budget)
         self.positions = _take(self.positions, rows, budget)
         self.scores = _take(self.scores, rows, budget)
+        if self.tokens is not None:
+            self.tokens = _take(self.tokens, rows, budget)
 
     def _kept_rows(self, budget: int) -> torch.Tensor:
         """The policy's kept slots as rows of the flattened (batch*heads*slots) storage.
@@ -93,7 +103,13 @@ class StreamingLayer(CacheLayerMixin):
         memo_key = (batch, heads, slots)
         if self.policy.band() is not None and memo_key in self._rows_memo:
             return self._rows_memo[memo_key]
-        keep = self.policy.keep(self.positions, self.scores if self.policy.needs_scores else None)
+        policy = self.policy
+        extra = {}
+        if policy.needs_keys:
+            extra["keys"] = self.keys
+        if policy.needs_tokens:
+            extra["tokens"] = self.tokens
+        keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
         offsets = torch.arange(batch * heads, device=keep.device).view(batch, heads, 1) * slots
         rows = (keep + offsets).reshape(-1)
         if self.policy.band() is not None:
@@ -112,13 +128,14 @@ class StreamingLayer(CacheLayerMixin):
         return -1 if budget is None else budget
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = None
+        self.keys = self.values = self.positions = self.scores = self.tokens = None
         self.is_initialized = False
         self.seen = self.evicted = 0
 
     def state(self) -> dict:
         """A snapshot (copies: scores are updated in place by later forwards)."""
-        state = {k: getattr(self, k) for k in ("keys", "values", "positions", "scores", "seen", "evicted")}
+        names = ("keys", "values", "positions", "scores", "seen", "evicted")
+        state = {k: getattr(self, k) for k in (*names, "tokens") if k in names or self.policy.needs_tokens}
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def load_state(self, state: dict) -> None:
@@ -220,19 +237,20 @@ class StreamingCache(Cache):
     def max_chunk(self) -> int | None:
         """The most tokens one forward may add on top of cached entries (None: no limit from the policy).
 
-        A score-based policy (h2o) in chunked mode lets every query of a chunk see the n cached entries and its chunk
-        predecessors; with a chunk wider than the budget that is far more than the budget + 1 keys exact mode gives a
-        query, so its numbers stop meaning anything (a 1-entry h2o cache would beat every other policy). Band policies
-        (sink, window) mask each query down to exactly what exact mode gives it, so they take any chunk.
+        A policy without a band (h2o and every other policy that decides once per chunk) in chunked mode lets every
+        query of a chunk see the n cached entries and its chunk predecessors; with a chunk wider than the budget that
+        is far more than the budget + 1 keys exact mode gives a query, so its numbers stop meaning anything (a
+        1-entry h2o cache would beat every other policy). Band policies (sink, window) mask each query down to
+        exactly what exact mode gives it, so they take any chunk.
         """
-        return self.policy.budget if self.policy.needs_scores else None
+        return None if self.policy.band() is not None else self.policy.budget
 
     def check_chunk_size(self, chunk_size: int) -> None:
         """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
         limit = self.max_chunk
         if limit is not None and chunk_size > limit:
             raise H2OStreamError(
-                f"{self.policy.describe()} ranks entries by the attention they receive, and a chunk of "
+                f"{self.policy.describe()} decides what to keep once per chunk, and a chunk of "
                 f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
                 f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most the cache "
                 f"size ({limit}), a larger cache, or exact (token-by-token) mode")
@@ -269,6 +287,8 @@ class StreamingCache(Cache):
         if self.slots:  # a prompt into an empty cache may be wider (model.generate prefills it in one forward)
             self.check_chunk_size(length)
         self.check_fits(length)
+        if self.policy.needs_tokens:
+            self._pass_tokens(inputs)
         start = self.slots if self.rolling else self.seen
         if self.rolling and self.context is not None and start + length > self.context:
             raise H2OStreamError(
@@ -276,6 +296,14 @@ class StreamingCache(Cache):
                 f"{start + length - 1}, beyond the model's context of {self.context}; use a smaller chunk or cache")
         positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
         return positions, self.band_mask(length, inputs.device)
+
+    def _pass_tokens(self, inputs: torch.Tensor) -> None:
+        """Hand the forward's token ids to every layer (for a policy that reads them); embeddings are refused."""
+        if inputs.dim() != 2 or inputs.is_floating_point():
+            raise H2OStreamError(f"{self.policy.describe()} reads the token id of every entry: call the model with "
+                                 "input_ids, not inputs_embeds")
+        for layer in self.layers:
+            layer.pending_tokens = inputs
 
     def _check_model(self, model) -> None:
         if model is None or model is self._model():

@@ -18,7 +18,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import (_full_mask, attend_with_scores, attend_with_sink_queries, fused_sink_attention_applies,
-                        sink_queries)
+                        layer_mean, sink_queries)
 
 ATTENTION_NAME = "h2o_stream"
 _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
@@ -34,17 +34,22 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
-    plain = not layer.policy.needs_scores and kwargs.get("softcap") is None
+    policy = layer.policy
+    plain = not policy.needs_scores and kwargs.get("softcap") is None
     if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
         output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
     elif not plain or sink_query is not None:
         output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
-                                              sinks)
+                                              sinks, last_query=policy.score_queries == "last")
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
         received = None
-    layer.after_attention(received if layer.policy.needs_scores else None)
+    if not policy.needs_scores:
+        received = None
+    elif policy.score_heads == "layer":
+        received = layer_mean(received, query.shape[1])
+    layer.after_attention(received)
     return output, None
 
 

@@ -4,11 +4,12 @@ is one new file with `@register` on its class and nothing else."""
 import importlib
 import pkgutil
 
-from .base import EvictionPolicy, Part
-from .registry import POLICIES, declared_parts, policy_class, register
+from .base import EvictionPolicy, Part, Setting
+from .registry import POLICIES, declared_options, declared_parts, policy_class, register
 from .split import make_policy
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")  # importing a policy module registers it
 
-__all__ = ["EvictionPolicy", "POLICIES", "Part", "declared_parts", "make_policy", "policy_class", "register"]
+__all__ = ["EvictionPolicy", "POLICIES", "Part", "Setting", "declared_options", "declared_parts", "make_policy",
+           "policy_class", "register"]

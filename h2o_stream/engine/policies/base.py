@@ -64,6 +64,24 @@ class Part:
 
 #: the recent window most policies keep; as the rest part it takes what their other parts leave
 RECENT = Part("recent", "recent-window slots, the last entries")
+#: H2O's heavy hitters; half the cache by default, the paper's split
+HEAVY = Part("heavy", "heavy-hitter slots, the highest-scored older entries", share=0.5)
+#: the stream's first tokens, kept for good (StreamingLLM's attention sinks)
+SINKS = Part("sinks", "attention-sink slots, the stream's first tokens", fixed=4)  # StreamingLLM's choice
+
+
+@dataclass(frozen=True)
+class Setting:
+    """A policy setting that is not a number of slots (e.g. a2sf's forgetting factor): `name` is the constructor
+    argument, `default` its value when not given. The policy's `__post_init__` checks the value."""
+
+    name: str
+    help: str
+    default: float | bool
+
+    def __post_init__(self):
+        if not self.name.isidentifier():
+            raise H2OStreamError(f"a policy setting needs a name usable as an argument, got {self.name!r}")
 
 
 class EvictionPolicy(ABC):
@@ -76,8 +94,23 @@ class EvictionPolicy(ABC):
     name: ClassVar[str]
     #: the budget parts this policy takes, in the order they are printed; they add up to the budget
     parts: ClassVar[tuple[Part, ...]] = ()
-    #: whether the cache must accumulate the attention each entry receives (costs an explicit softmax)
+    #: settings that are not slot counts, with their defaults (fields of the dataclass too)
+    options: ClassVar[tuple[Setting, ...]] = ()
+    #: whether the cache must keep a score from the attention each entry receives (costs an explicit softmax;
+    #: policies without it keep the fused attention path)
     needs_scores: ClassVar[bool] = False
+    #: whose attention makes an entry's score: "kv" — per KV head, the query heads reading it summed (GQA/MQA);
+    #: "layer" — the mean over all query heads of the layer, the same for every KV head (one decision per layer)
+    score_heads: ClassVar[str] = "kv"
+    #: which queries of a forward count: "all" — every query of a chunk, summed; "last" — only its last query.
+    #: Exact mode has one query per forward, so this matters only in chunked mode.
+    score_queries: ClassVar[str] = "all"
+    #: whether `keep` needs the keys the layer holds (passed as `keys=`)
+    needs_keys: ClassVar[bool] = False
+    #: whether `keep` needs the token id of every entry (passed as `tokens=`; forwards must bring token ids)
+    needs_tokens: ClassVar[bool] = False
+    #: whether building the policy needs the model's tokenizer (see `tokenizer_settings`)
+    needs_tokenizer: ClassVar[bool] = False
 
     _part_names: ClassVar[tuple[str, ...]] = ()
 
@@ -86,6 +119,8 @@ class EvictionPolicy(ABC):
         if not isinstance(cls.parts, tuple) or not all(isinstance(part, Part) for part in cls.parts):
             raise H2OStreamError(f"{cls.__qualname__}.parts must be a tuple of Part declarations")
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
+        if not isinstance(cls.options, tuple) or not all(isinstance(option, Setting) for option in cls.options):
+            raise H2OStreamError(f"{cls.__qualname__}.options must be a tuple of Setting declarations")
 
     @classmethod
     def part_names(cls) -> tuple[str, ...]:
@@ -93,18 +128,33 @@ class EvictionPolicy(ABC):
         return cls._part_names
 
     @classmethod
-    def from_budget(cls, cache_size: int | None, **given: int) -> EvictionPolicy:
+    def option_names(cls) -> tuple[str, ...]:
+        """The names of the declared settings (`options`), in order."""
+        return tuple(option.name for option in cls.options)
+
+    @classmethod
+    def from_budget(cls, cache_size: int | None, **given) -> EvictionPolicy:
         """The policy for `cache_size` entries per layer and KV head, with the parts in `given` fixed.
 
         The parts not given take their declared defaults, in declaration order, each at most what is left; the rest
         part (or, when it was given, the last part not given) takes what remains. A policy without parts ignores the
-        cache size. `make_policy` validates the values first; override this for a split the declarations cannot say.
+        cache size. Anything in `given` that is not a part (settings, tokenizer-derived fields) goes to the
+        constructor as it is. `make_policy` validates the values first; override this for a split the declarations
+        cannot say.
         """
+        parts = {name: value for name, value in given.items() if name in cls._part_names}
+        others = {name: value for name, value in given.items() if name not in cls._part_names}
         if not cls.parts:
-            return cls()
+            return cls(**others)
         if cache_size is None:
             raise H2OStreamError(f"the {cls.name} policy needs a cache size")
-        return cls(**split_budget(cls.parts, cache_size, given))
+        return cls(**split_budget(cls.parts, cache_size, parts), **others)
+
+    @classmethod
+    def tokenizer_settings(cls, tokenizer) -> dict:
+        """Constructor arguments derived from the model's tokenizer (e.g. sepllm's separator ids); called by
+        `make_policy` for policies with `needs_tokenizer`, which refuses to build them without a tokenizer."""
+        return {}
 
     def __post_init__(self):
         for part in self.parts:
@@ -122,12 +172,24 @@ class EvictionPolicy(ABC):
             total += getattr(self, name)
         return total
 
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+        """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n).
+
+        `received` is what `score_heads` and `score_queries` say (per KV head or the layer's mean, all of a chunk's
+        queries or the last); a new entry's score starts at 0. The default accumulates (H2O); a policy may decay
+        the old scores first (A2SF) or keep only the latest attention (TOVA). Called only with `needs_scores`.
+        """
+        scores += received
+
     @abstractmethod
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         """Slots to keep, shape (batch, kv_heads, budget), ascending so stream order is preserved.
 
         `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` has the same shape
-        (accumulated attention) or is None when `needs_scores` is False. Called only when n > budget.
+        (see `update_scores`) or is None when `needs_scores` is False. Called only when n > budget. A policy with
+        `needs_keys` is also given `keys=` (batch, kv_heads, n, head_dim), the keys as the layer stores them
+        (un-rotated when rolling, rotated at their stream positions without); one with `needs_tokens` is given
+        `tokens=` (batch, kv_heads, n), each entry's token id. A score normalised by age divides by `ages(positions)`.
         """
 
     def band(self) -> tuple[int, int] | None:
@@ -175,6 +237,26 @@ def check_count(name: str, value: int, *, minimum: int = 0) -> int:
     if value < minimum:
         raise H2OStreamError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def ages(positions: torch.Tensor) -> torch.Tensor:
+    """Steps each entry has been in the cache, its arrival step included (the newest entry: 1), same shape."""
+    return positions[..., -1:] - positions + 1
+
+
+def top_slots(ranks: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:
+    """Ascending slots of the `count` highest `ranks` (batch, heads, m), offset by `start` (the slot of ranks[0]);
+    equal ranks go to the lower slot, i.e. the older entry."""
+    # A stable descending sort keeps equal ranks in slot (= stream) order, so ties favour the older entry.
+    order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices
+    top = order[..., :count].sort(dim=-1).values
+    return top + start if start else top
+
+
+def first_slots(count: int, like: torch.Tensor) -> torch.Tensor:
+    """Slot indices 0..count-1 broadcast to like's (batch, kv_heads) shape: where the stream's first `count` tokens
+    sit once a policy that always keeps them has cut at least once."""
+    return torch.arange(count, device=like.device).expand(*like.shape[:2], count)
 
 
 def last_slots(n: int, count: int, like: torch.Tensor) -> torch.Tensor:

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import RECENT, EvictionPolicy, Part, last_slots
+from .base import HEAVY, RECENT, EvictionPolicy, last_slots, top_slots
 from .registry import register
 
 
@@ -21,13 +21,9 @@ class H2OPolicy(EvictionPolicy):
     recent: int
     name = "h2o"
     needs_scores = True
-    parts = (Part("heavy", "heavy-hitter slots, the highest-scored older entries", share=0.5),  # the paper's split
-             RECENT)
+    parts = (HEAVY, RECENT)
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
-        candidates = scores[..., : n - self.recent]
-        # A stable descending sort keeps equal scores in slot (= stream) order, so ties favour the older entry.
-        order = torch.sort(candidates, dim=-1, descending=True, stable=True).indices
-        heavy = order[..., : self.heavy].sort(dim=-1).values
+        heavy = top_slots(scores[..., : n - self.recent], self.heavy)
         return torch.cat([heavy, last_slots(n, self.recent, positions)], dim=-1)

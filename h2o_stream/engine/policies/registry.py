@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from h2o_stream.errors import H2OStreamError
 
-from .base import EvictionPolicy, Part
+from .base import EvictionPolicy, Part, Setting
 
 POLICIES: dict[str, type[EvictionPolicy]] = {}
 
@@ -18,6 +18,8 @@ def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
     names = cls.part_names()
     if len(set(names)) != len(names) or sum(part.is_rest for part in cls.parts) > 1:
         raise H2OStreamError(f"{cls.__qualname__}.parts needs distinct names and at most one rest part")
+    if set(cls.option_names()) & set(names) or len(set(cls.option_names())) != len(cls.options):
+        raise H2OStreamError(f"{cls.__qualname__}.options need distinct names, none of them a part's")
     known = POLICIES.get(name)
     if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
         raise H2OStreamError(f"policy name {name!r} is taken by {known.__module__}.{known.__qualname__}")
@@ -42,3 +44,13 @@ def declared_parts() -> dict[str, list[tuple[str, Part]]]:
         for part in cls.parts:
             parts.setdefault(part.name, []).append((name, part))
     return parts
+
+
+def declared_options() -> dict[str, list[tuple[str, Setting]]]:
+    """Every setting (not a slot count) any registered policy takes: setting name → [(policy name, its
+    declaration)], in registry order; the counterpart of `declared_parts` for options such as a2sf's `alpha`."""
+    options: dict[str, list[tuple[str, Setting]]] = {}
+    for name, cls in POLICIES.items():
+        for option in cls.options:
+            options.setdefault(option.name, []).append((name, option))
+    return options

@@ -1,0 +1,50 @@
+"""`a2sf` — A2SF, Accumulative Attention Scoring with Forgetting Factor (Jo & Shin 2024, arXiv 2407.20485).
+
+H2O whose scores forget: at every step each entry's score is multiplied by `alpha` before the attention it just
+received is added (A <- alpha * A + a_t), so old attention fades instead of piling up on the stream's first tokens.
+Keep the last `recent` entries plus the `heavy` highest-scored among the rest; ties go to the older entry; decided
+per layer and KV head (query heads of a group summed). `alpha = 1` is H2O.
+
+Default split: half heavy, half recent (H2O's); `alpha` 0.95 — our default (a half-life of about 14 steps), not the
+paper's, which tunes the factor per model and task.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from h2o_stream.errors import H2OStreamError
+
+from .base import HEAVY, RECENT, EvictionPolicy, Setting, last_slots, top_slots
+from .registry import register
+
+
+@register
+@dataclass
+class A2SFPolicy(EvictionPolicy):
+    heavy: int
+    recent: int
+    alpha: float = 0.95
+    name = "a2sf"
+    needs_scores = True
+    parts = (HEAVY, RECENT)
+    options = (Setting("alpha", "forgetting factor in (0, 1]: scores are multiplied by it at every step", 0.95),)
+
+    def __post_init__(self):
+        super().__post_init__()
+        alpha = self.alpha
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (0 < alpha <= 1) \
+                or not math.isfinite(alpha):
+            raise H2OStreamError(f"alpha (the a2sf forgetting factor) must be a number in (0, 1], got {alpha!r}")
+        self.alpha = float(alpha)
+
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+        scores.mul_(self.alpha).add_(received)
+
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        n = positions.shape[-1]
+        heavy = top_slots(scores[..., : n - self.recent], self.heavy)
+        return torch.cat([heavy, last_slots(n, self.recent, positions)], dim=-1)

@@ -1,0 +1,46 @@
+"""`keydiff` — KeyDiff (Park et al. 2025, arXiv 2504.15364; NVIDIA kvpress's KeyDiffPress), with sinks and a window.
+
+Keep the stream's first `sinks` tokens, the last `recent` entries, and among the others the `diverse` entries whose
+keys are least similar (cosine) to the layer's anchor key: the mean of the unit-normalised keys of every entry the KV
+head holds (kvpress's anchor). Keys are taken as the layer stores them: un-rotated with rolling, rotated at their
+stream positions without. Equal similarities go to the older entry. Decided per layer and KV head; needs no
+attention scores (the fused attention path stays).
+
+Default split: 4 sinks (StreamingLLM's), half the cache diverse, the rest recent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import RECENT, SINKS, EvictionPolicy, Part, first_slots, last_slots, top_slots
+from .registry import register
+
+
+def anchor_similarity(keys: torch.Tensor) -> torch.Tensor:
+    """Cosine similarity of every key (batch, heads, n, dim) to the mean of the unit-normalised keys: (batch, heads,
+    n), in float64 (float32 on MPS) so that the ranking does not hinge on rounding."""
+    keys = keys.to(torch.float32 if keys.device.type == "mps" else torch.float64)
+    anchor = F.normalize(keys, dim=-1).mean(dim=-2, keepdim=True)
+    return F.cosine_similarity(keys, anchor, dim=-1)
+
+
+@register
+@dataclass
+class KeyDiffPolicy(EvictionPolicy):
+    sinks: int
+    diverse: int
+    recent: int
+    name = "keydiff"
+    needs_keys = True
+    parts = (SINKS, Part("diverse", "slots for the keys least similar to the mean key", share=0.5), RECENT)
+
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, *, keys: torch.Tensor) -> torch.Tensor:
+        # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
+        n = positions.shape[-1]
+        similarity = anchor_similarity(keys)[..., self.sinks: n - self.recent]
+        chosen = top_slots(-similarity, self.diverse, start=self.sinks)
+        return torch.cat([first_slots(self.sinks, positions), chosen, last_slots(n, self.recent, positions)], dim=-1)
