@@ -1,8 +1,10 @@
 """The scoring seam every eviction policy plugs into.
 
 A policy sees, per layer, the cache's bookkeeping after an attention step (stream positions of the entries each KV head
-holds, and their accumulated attention scores when it asked for them) and answers one question: which slots survive.
-Everything else (storage, rotation, gathering) belongs to the cache.
+holds; when it asks for them, their scores, their keys or their token ids) and answers one question: which slots
+survive. It declares how the attention an entry receives becomes its score (`update_scores`, `score_heads`,
+`score_queries`) and whether it needs attention probabilities at all (`needs_scores`: those that do not keep the fused
+attention path). Everything else (storage, rotation, gathering) belongs to the cache.
 
 A policy declares its budget `parts` (each a number of cache slots, with a default and a help text); the parts add up
 to the budget. `make_policy`, the command-line options, the printed split and the result files are all driven by
