@@ -279,7 +279,17 @@ def test_read_book_refuses_an_empty_book(tmp_path):
 # --- the Hub (the datasets.load_dataset boundary, mocked) --------------------------------------------
 
 
-def test_hub_unreachable_says_to_pass_data(monkeypatch):
+@pytest.fixture
+def hub_reachable(monkeypatch):
+    """These tests mock the datasets boundary: pretend the connectivity probe found the Hub (it is tested in
+    test_ppl_options.py), whatever this machine's network."""
+    from h2o_stream.loading import sources
+
+    monkeypatch.setattr(sources, "hub_unreachable", lambda: None)
+
+
+
+def test_hub_unreachable_says_to_pass_data(monkeypatch, hub_reachable):
     import datasets
 
     def offline(*args, **kwargs):
@@ -291,7 +301,7 @@ def test_hub_unreachable_says_to_pass_data(monkeypatch):
     assert "--data PATH" in message and "\n" not in message
 
 
-def test_hub_first_row_failure_says_to_pass_data(monkeypatch):
+def test_hub_first_row_failure_says_to_pass_data(monkeypatch, hub_reachable):
     import datasets
 
     class FailsOnIteration:
@@ -303,7 +313,7 @@ def test_hub_first_row_failure_says_to_pass_data(monkeypatch):
     assert "offline mode is enabled" in message and "--data PATH" in message
 
 
-def test_hub_yields_books_in_order(monkeypatch):
+def test_hub_yields_books_in_order(monkeypatch, hub_reachable):
     import datasets
 
     calls = []
