@@ -68,7 +68,7 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
     feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
     every line is one turn or command."""
-    from h2o_stream.engine.policies import make_policy
+    from h2o_stream.engine.policies import make_policy, policy_class
     from h2o_stream.loading.models import load_model
 
     for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that cannot show a character gets a '?'
@@ -77,12 +77,16 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
                 stream.reconfigure(errors="replace")
             except (ValueError, OSError):
                 pass
-    eviction = make_policy(policy, None if policy == "full" else cache_size, **parts)
+    size = None if policy == "full" else cache_size
+    # built (and so checked) before the model loads, unless it needs the model's tokenizer (sepllm)
+    eviction = None if policy_class(policy).needs_tokenizer else make_policy(policy, size, **parts)
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                         no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
     interactive = sys.stdin.isatty()
     _note(f"loading {model_spec or 'the default model'} ...")
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+    if eviction is None:
+        eviction = make_policy(policy, size, tokenizer=loaded.tokenizer, **parts)
     session = ChatSession(loaded.model, loaded.tokenizer, policy=eviction, rolling=not no_rolling, system=system,
                           sampling=sampling, chunk_size=chunk_size, model_name=loaded.name)
     if session.notice:

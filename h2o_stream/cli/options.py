@@ -1,5 +1,5 @@
-"""Options shared by the commands: model loading, cache policy and budget (generated from the policy registry),
-comma-separated lists."""
+"""Options shared by the commands: model loading, cache policy, budget and settings (generated from the policy
+registry), comma-separated lists."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from h2o_stream.engine.policies import POLICIES, declared_parts
+from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts
 from h2o_stream.errors import H2OStreamError
 
 
@@ -27,20 +27,25 @@ def model_options(command):
 
 
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
-    """--policy, --cache-size, one option per budget part of the registered policies, and --no-rolling.
+    """--policy, --cache-size, one option per budget part and per setting of the registered policies, and
+    --no-rolling.
 
     The command receives `policy` (a name; with `multiple`, a list of names), `cache_size` (an int; with `multiple`, a
-    list), `parts` (the parts given on the command line, e.g. {'heavy': 64}; pass them on as `**parts`) and
-    `no_rolling`. The part options are the union of every registered policy's declared parts, with their help.
+    list), `parts` (the parts and settings given on the command line, e.g. {'heavy': 64, 'alpha': 0.9}; pass them on
+    as `**parts`) and `no_rolling`. The part and setting options are the union of every registered policy's
+    declarations, with their help; a setting whose default is a bool is a flag (--per-head).
     """
     several = " (comma-separated for several)" if multiple else ""
     declared = declared_parts()
+    settings = declared_options()
 
     def decorate(command):
         @functools.wraps(command)
         def with_parts(*args, **kwargs):
-            given = {name: kwargs.pop(name) for name in declared}
-            return command(*args, parts={k: v for k, v in given.items() if v is not None}, **kwargs)
+            given = {name: kwargs.pop(name) for name in (*declared, *settings)}
+            # an absent flag is False: not given, like an absent value (the policy's default applies)
+            return command(*args, parts={k: v for k, v in given.items() if v is not None and v is not False},
+                           **kwargs)
 
         options = [
             click.option("--policy", default=default_policy, show_default=True,
@@ -51,6 +56,7 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
                          help=f"KV entries kept per layer and KV head{several}."),
             *(click.option(f"--{name}", name, type=int, default=None, metavar="SLOTS", help=_part_help(policies))
               for name, policies in declared.items()),
+            *(_setting_option(name, policies) for name, policies in settings.items()),
             click.option("--no-rolling", is_flag=True,
                          help="Keep true stream positions instead of rolling keys to their cache slot."),
         ]
@@ -83,6 +89,22 @@ def _part_help(policies) -> str:
         described.setdefault((part.help, part.default_text), []).append(policy)
     return "; ".join(f"{', '.join(names)}: {text} (default: {default})"
                      for (text, default), names in described.items()) + "."
+
+
+def _flag(name: str) -> str:
+    """The command-line spelling of a part or setting: per_head -> --per-head."""
+    return "--" + name.replace("_", "-")
+
+
+def _setting_option(name: str, policies):
+    """The option for a setting: a flag for a bool default, else a value of the default's type."""
+    help_text = "; ".join(f"{policy}: {setting.help} (default: {setting.default})" for policy, setting in policies)
+    default = policies[0][1].default
+    if isinstance(default, bool):
+        return click.option(_flag(name), name, is_flag=True, default=False, help=help_text + ".")
+    kind = type(default)
+    return click.option(_flag(name), name, type=kind, default=None, metavar=kind.__name__.upper(),
+                        help=help_text + ".")
 
 
 def _parse_policy(ctx, param, value) -> list[str]:

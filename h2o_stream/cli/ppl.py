@@ -55,6 +55,7 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     if chunk_size < 1:
         raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
     argv = command_argv()
+    # every run that needs no tokenizer is built (and so checked) before the model loads; the rest once it has
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size,
                   rolling=not no_rolling, reset_per_book=reset_per_book, skip_tokens=skip_tokens,
                   checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
@@ -62,6 +63,7 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     sweep.check()
     with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
         loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+        sweep.specs = run_specs(policy, cache_size, parts, tokenizer=loaded.tokenizer)
         stop = StopRequest()
         try:
             with stop.catching():

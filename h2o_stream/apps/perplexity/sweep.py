@@ -34,27 +34,40 @@ from .run import PerplexityRun, skip_tokens_of
 REPORTS = ("ppl.png", "summary.json")
 
 
-def run_specs(policies: list[str], sizes: list[int], parts: dict[str, int]) -> list[tuple[str, EvictionPolicy]]:
+def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None,
+              ) -> list[tuple[str, EvictionPolicy]]:
     """(run name, policy) for every policy × cache size, e.g. ('h2o-256', ...); a policy without budget parts (full)
-    runs once, named by itself. Each policy gets those of `parts` it declares; the others fill in its defaults. A part
-    that none of the policies takes is an error (it would be silently ignored)."""
+    runs once, named by itself. Each policy gets those of `parts` (budget parts and settings, e.g. {'alpha': 0.9}) it
+    declares; the others fill in its defaults. A part or setting that none of the policies takes is an error (it would
+    be silently ignored).
+
+    `tokenizer` is the model's tokenizer, which some policies need (sepllm). Without it those policies are checked
+    as far as can be without building them (their name and what they take) and left out, so that a command can check
+    every run before the model loads and build them all once it has."""
     policies = list(dict.fromkeys(policies))
-    takes = {name: policy_class(name).part_names() for name in policies}
+    takes = {name: (*policy_class(name).part_names(), *policy_class(name).option_names()) for name in policies}
     for part, value in parts.items():
         if value is not None and not any(part in names for names in takes.values()):
-            taken = "; ".join(f"{name} takes {', '.join('--' + p for p in names) or 'no parts'}"
+            taken = "; ".join(f"{name} takes {', '.join(_flag(p) for p in names) or 'no parts'}"
                               for name, names in takes.items())
-            raise H2OStreamError(f"--{part} does not apply to {', '.join(policies)} ({taken}); drop it or add a "
-                                 "policy that takes it")
+            raise H2OStreamError(f"{_flag(part)} does not apply to {', '.join(policies)} ({taken}); drop it or add "
+                                 "a policy that takes it")
     specs = []
     for name in policies:
-        if not takes[name]:
-            specs.append((name, make_policy(name)))
+        if policy_class(name).needs_tokenizer and tokenizer is None:
             continue
         given = {k: v for k, v in parts.items() if v is not None and k in takes[name]}
+        if not policy_class(name).part_names():
+            specs.append((name, make_policy(name, tokenizer=tokenizer, **given)))
+            continue
         for size in dict.fromkeys(sizes):
-            specs.append((f"{name}-{size}", make_policy(name, size, **given)))
+            specs.append((f"{name}-{size}", make_policy(name, size, tokenizer=tokenizer, **given)))
     return specs
+
+
+def _flag(name: str) -> str:
+    """A part's or setting's command-line option: per_head -> --per-head."""
+    return "--" + name.replace("_", "-")
 
 
 @dataclass

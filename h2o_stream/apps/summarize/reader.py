@@ -42,7 +42,7 @@ class Reader:
                  chunk_size: int = DEFAULT_CHUNK_SIZE, rolling: bool = True, sampling: Sampling | None = None,
                  **parts: int | None):
         self.model, self.tokenizer = model, tokenizer
-        self.policy = make_policy(policy, cache_size, **parts)
+        self.policy = make_policy(policy, cache_size, tokenizer=tokenizer, **parts)
         self.chunk_size = positive_int("chunk_size", chunk_size)
         self.rolling = bool(rolling)
         self.sampling = sampling if sampling is not None else Sampling()

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from h2o_stream.engine.policies import make_policy
+from h2o_stream.engine.policies import make_policy, policy_class
 from h2o_stream.errors import H2OStreamError
 
 STRATEGIES = ("single", "hierarchical")
@@ -40,7 +40,8 @@ def check_settings(*, strategy: str, instruction, max_new_tokens, policy: str, c
         positive_int(name("section_max_new_tokens"), section_max_new_tokens)
         if section_tokens is not None:
             positive_int(name("section_tokens"), section_tokens)
-    make_policy(policy, cache_size, **parts)  # raises on a bad policy setting
+    if not policy_class(policy).needs_tokenizer:  # those that need one are built (and checked) by the Reader
+        make_policy(policy, cache_size, **parts)  # raises on a bad policy setting
     positive_int(name("chunk_size"), chunk_size)
     return instruction, max_new_tokens, section_instruction
 

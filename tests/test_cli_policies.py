@@ -1,0 +1,96 @@
+"""The policy zoo on the command line: setting options generated from the registry (--alpha, --per-head), refused
+where no chosen policy takes them, recorded in the results; policies that need the tokenizer (sepllm) built once the
+model is loaded, in ppl, chat and summarize."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from chat_helpers import TRAINING_TEXTS  # noqa: F401  (conftest's tokenizer is trained on these)
+from h2o_stream.cli import main
+from h2o_stream.cli.chat import chat
+from h2o_stream.cli.summarize import summarize as summarize_command
+from ppl_helpers import ppl, ppl_error, ppl_model_dir, result, write_corpus  # noqa: F401
+
+torch.set_num_threads(1)
+
+ZOO = "tova,a2sf,h2o_sinks,sepllm,keydiff"
+
+
+@pytest.fixture
+def base(ppl_model_dir, tmp_path):
+    return ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 60,
+            "--chunk-size", 8, "--cache-size", 16, "--out", tmp_path / "out"]
+
+
+def test_ppl_runs_the_new_policies_and_records_their_settings(base, tmp_path, capsys):
+    code, out, err = ppl(capsys, *base, "--policy", ZOO, "--alpha", 0.9, "--per-head")
+    assert code == 0, err
+    results = {name: result(tmp_path / "out", f"{name}-16") for name in ZOO.split(",")}
+    settings = {name: record["settings"] for name, record in results.items()}
+    assert settings["a2sf"]["alpha"] == 0.9 and settings["tova"]["per_head"] is True
+    assert settings["tova"]["states"] == 16 and settings["a2sf"]["heavy"] + settings["a2sf"]["recent"] == 16
+    assert settings["sepllm"]["separator_ids"]  # the char tokenizer's '.', ',' and ' ' are separators
+    assert "alpha" not in settings["tova"] and "per_head" not in settings["a2sf"]
+    for name, record in results.items():
+        assert settings[name]["policy"] == name and record["predicted_tokens"] == 59, record
+
+
+def test_settings_default_when_not_given(base, tmp_path, capsys):
+    code, _, err = ppl(capsys, *base, "--policy", "tova,a2sf")
+    assert code == 0, err
+    assert result(tmp_path / "out", "a2sf-16")["settings"]["alpha"] == 0.95
+    assert result(tmp_path / "out", "tova-16")["settings"]["per_head"] is False
+
+
+def test_a_bad_setting_value_is_one_error_line(base, tmp_path, capsys):
+    message = ppl_error(capsys, *base, "--policy", ZOO, "--alpha", 1.5)
+    assert "alpha (the a2sf forgetting factor) must be a number in (0, 1], got 1.5" in message
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("policies, option, value", [("a2sf", "--per-head", None), ("h2o,tova", "--alpha", 0.5)])
+def test_a_setting_no_chosen_policy_takes_is_refused(base, capsys, policies, option, value):
+    args = [option] if value is None else [option, value]
+    message = ppl_error(capsys, *base, "--policy", policies, *args)
+    assert f"{option} does not apply to {policies.replace(',', ', ')}" in message
+
+
+def test_a_bad_sepllm_part_is_refused_before_the_first_run(base, tmp_path, capsys):
+    message = ppl_error(capsys, *base, "--policy", "h2o,sepllm", "--separators", 40)
+    assert "separators (40) cannot exceed the cache size (16)" in message
+    assert not list((tmp_path / "out").glob("*.json")), "a run ran before the check"
+
+
+def test_help_lists_the_settings_with_their_declarations(capsys):
+    code, out, _ = ppl(capsys, "--help")
+    assert code == 0
+    assert "--alpha FLOAT" in out and "--per-head" in out and "forgetting factor" in out
+
+
+def test_chat_accepts_sepllm(model_dir, monkeypatch):
+    monkeypatch.setenv("H2O_STREAM_CHAT_HISTORY", "")
+    args = ["--model", model_dir, "--policy", "sepllm", "--cache-size", 16, "--max-new-tokens", 3, "--seed", 1]
+    result_ = CliRunner().invoke(chat, [str(a) for a in args], input="hello world, two plus two?\n/stats\n")
+    assert result_.exit_code == 0, (result_.stdout, result_.stderr)
+    assert "sepllm(sinks=4, separators=3, recent=9" in result_.stderr
+
+
+def test_chat_refuses_a_setting_its_policy_does_not_take(model_dir, capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["chat", "--model", str(model_dir), "--policy", "h2o", "--alpha", "0.5"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and lines[-1] == "Error: the h2o policy takes heavy, recent; it does not take alpha"
+    assert not any(line.startswith("loading") for line in lines), "the model loaded before the check"
+
+
+def test_summarize_accepts_sepllm(model_dir, tmp_path):
+    source = tmp_path / "doc.txt"
+    source.write_text("hello world, what is two plus two? the answer is four. " * 8, encoding="utf-8")
+    args = [source, "--model", model_dir, "--threads", 1, "--policy", "sepllm", "--cache-size", 24,
+            "--chunk-size", 8, "--max-new-tokens", 3]
+    result_ = CliRunner().invoke(summarize_command, [str(a) for a in args])
+    assert result_.exit_code == 0, (result_.stdout, result_.stderr)
+    assert "sepllm" in result_.stderr
