@@ -1,17 +1,28 @@
 """The tests' policy matrix, read from the registry: a new policy file is picked up by every test that can take it.
 
-ALL: every registered policy that a name and a cache size build (`make_policy(name, size)`). EVICTING: those with
-budget parts (a bounded cache). BANDED: evicting policies with a band (chunked mode equals exact mode). SCORED:
-evicting policies that decide from attention scores. TOKENIZED: the policies that also need the model's tokenizer
-(sepllm); the tests that build them pass one (tests/test_policies_*.py).
+ALL: every registered policy, built by `build(name, size)` (with TOKENIZER for those that need the model's tokenizer,
+sepllm). EVICTING: those with budget parts (a bounded cache). BANDED: evicting policies with a band (chunked mode
+equals exact mode). SCORED: evicting policies that decide from attention scores. TOKENIZED: the policies that need the
+tokenizer; a test that builds policies from these lists builds them with `build`, not `make_policy`.
 """
 
 from __future__ import annotations
 
-from h2o_stream.engine.policies import POLICIES, make_policy
+from tiny_models import char_tokenizer
+
+from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy
+
+#: the tokenizer of the tiny models (tests/tiny_models.py): its ids fit their vocabulary, and it has separators
+TOKENIZER = char_tokenizer()
+
+
+def build(name: str, cache_size: int | None = None, **parts) -> EvictionPolicy:
+    """`make_policy(name, cache_size, **parts)` with the tiny models' tokenizer (used only by policies needing one)."""
+    return make_policy(name, cache_size, tokenizer=TOKENIZER, **parts)
+
 
 TOKENIZED = [name for name, cls in POLICIES.items() if cls.needs_tokenizer]
-ALL = [name for name in POLICIES if name not in TOKENIZED]
+ALL = list(POLICIES)
 EVICTING = [name for name in ALL if POLICIES[name].parts]
-BANDED = [name for name in EVICTING if make_policy(name, 24).band() is not None]
+BANDED = [name for name in EVICTING if build(name, 24).band() is not None]
 SCORED = [name for name in EVICTING if POLICIES[name].needs_scores]

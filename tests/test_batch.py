@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from policy_matrix import EVICTING
+from policy_matrix import EVICTING, build
 from tiny_models import random_ids, tiny_model
 
-from h2o_stream import StreamingCache, make_policy
+from h2o_stream import StreamingCache
 
 
 def streamed_logits(model, policy, ids, chunk):
-    cache = StreamingCache(model, make_policy(policy, 8))
+    cache = StreamingCache(model, build(policy, 8))
     with torch.no_grad():
         logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, ids.shape[1], chunk)], 1)
     return logits, cache

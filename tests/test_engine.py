@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import Oracle, stream_for
-from policy_matrix import ALL, EVICTING
+from policy_matrix import ALL, EVICTING, build
 from tiny_models import FAMILIES, VOCAB, random_ids, tiny_model
 from transformers import DynamicCache
 
@@ -22,7 +22,7 @@ def test_budget_covering_stream_reproduces_plain_forward(family, policy):
     model = tiny_model(family)
     ids = random_ids(48)
     reference = model(ids, cache=DynamicCache(config=model.config)).logits[0]
-    cache = StreamingCache(model, make_policy(policy, 64))  # a policy without parts (full) ignores the size
+    cache = StreamingCache(model, build(policy, 64))  # a policy without parts (full) ignores the size
     logits = stream_logits(model, cache, ids)
     assert torch.allclose(logits, reference, atol=1e-5, rtol=0), (logits - reference).abs().max()
     assert cache.evicted == 0
@@ -43,7 +43,7 @@ def test_without_rolling_budget_covering_stream_reproduces_plain_forward(family)
 def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_heads, rolling):
     budget = 8
     model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
-    spec = make_policy(policy, budget)
+    spec = build(policy, budget)
     oracle = Oracle.for_policy(model, spec, rolling=rolling)
     cache = StreamingCache(model, spec, rolling=rolling)
     ids = stream_for(spec, 10 * budget, seed=kv_heads, vocab=VOCAB)
@@ -69,7 +69,7 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
 @pytest.mark.parametrize("policy", EVICTING)
 def test_cache_tensors_stop_growing_at_the_budget(policy):
     model = tiny_model("llama")
-    cache = StreamingCache(model, make_policy(policy, 12))
+    cache = StreamingCache(model, build(policy, 12))
     ids = random_ids(60)
     shapes = []
     for t in range(ids.shape[1]):
@@ -93,8 +93,8 @@ def test_generate_with_full_cache_matches_dynamic_cache():
 def test_generate_with_eviction_matches_a_manual_greedy_loop(policy):
     model = tiny_model("llama", init_std=0.2)
     prompt = random_ids(20)
-    got = model.generate(prompt, max_new_tokens=40, do_sample=False, cache=StreamingCache(model, make_policy(policy, 16)))
-    cache = StreamingCache(model, make_policy(policy, 16))
+    got = model.generate(prompt, max_new_tokens=40, do_sample=False, cache=StreamingCache(model, build(policy, 16)))
+    cache = StreamingCache(model, build(policy, 16))
     tokens = prompt
     logits = model(prompt, cache=cache).logits[:, -1]
     for _ in range(40):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from policy_matrix import ALL, BANDED, EVICTING, SCORED
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, build
 from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
@@ -99,7 +99,7 @@ def test_feed_keeps_chunks_within_what_a_scored_cache_takes():
 @pytest.mark.parametrize("policy", ALL)
 def test_padded_batches_are_refused(policy, chunk):
     model = tiny_model("llama")
-    cache = StreamingCache(model, make_policy(policy, None if policy == "full" else 8))
+    cache = StreamingCache(model, build(policy, None if policy == "full" else 8))
     ids = torch.cat([random_ids(12, seed=s) for s in (1, 2)])
     model(ids[:, :6], cache=cache)
     before = snapshot(cache)
@@ -122,7 +122,7 @@ def test_generate_with_a_left_padded_batch_is_refused():
 def test_a_mask_of_ones_changes_nothing_and_other_masks_are_refused(policy):
     model = tiny_model("llama", init_std=0.2)
     ids = torch.cat([random_ids(20, seed=s) for s in (1, 2)])
-    plain, masked = StreamingCache(model, make_policy(policy, 8)), StreamingCache(model, make_policy(policy, 8))
+    plain, masked = StreamingCache(model, build(policy, 8)), StreamingCache(model, build(policy, 8))
     for start in range(0, 20, 5):
         expected = model(ids[:, start:start + 5], cache=plain).logits
         got = model(ids[:, start:start + 5], attention_mask=torch.ones(2, start + 5), cache=masked).logits

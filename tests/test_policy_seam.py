@@ -14,7 +14,7 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
-from policy_matrix import ALL, BANDED, EVICTING, SCORED
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED
 from tiny_models import random_ids, save_tiny_model_dir, tiny_model
 
 import h2o_stream.engine.policies as policies_package
@@ -34,7 +34,8 @@ def test_every_module_of_the_policies_folder_is_imported_and_registers_its_polic
     assert modules == registered
     assert {"full", "h2o", "sink", "window"} <= set(ALL)  # the matrix the other tests draw from is not empty
     assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova"} and set(BANDED) == {"sink", "window"}
-    assert "full" not in EVICTING and {"keydiff"} <= set(EVICTING) - set(SCORED) - set(BANDED)
+    assert "full" not in EVICTING and {"keydiff", "sepllm"} <= set(EVICTING) - set(SCORED) - set(BANDED)
+    assert set(TOKENIZED) == {"sepllm"} and set(TOKENIZED) <= set(ALL)  # built with the tiny tokenizer, not left out
 
 
 def test_every_policy_hook_the_engine_and_the_perplexity_app_use_is_declared_on_the_base_class():
@@ -141,6 +142,14 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, sepllm, sink, tova, window, oldest." in text
     result = runner.invoke(probe, ["--oldest", "3"])
     assert json.loads(result.output) == ["oldest", 32, {"oldest": 3}, "oldest(oldest=3, recent=29)"]
+    # settings that are not slot counts get options too: a value of their default's type, a flag for a bool
+    assert "--alpha FLOAT a2sf: forgetting factor in (0, 1]" in text and "(default: 0.95)" in text
+    assert "--per-head tova: decide per KV head" in text
+    result = runner.invoke(probe, ["--policy", "a2sf", "--alpha", "0.5"])
+    assert json.loads(result.output)[2] == {"alpha": 0.5} and "alpha=0.5" in json.loads(result.output)[3]
+    result = runner.invoke(probe, ["--policy", "tova", "--per-head"])
+    assert json.loads(result.output)[2] == {"per_head": True}
+    assert json.loads(runner.invoke(probe, ["--policy", "tova"]).output)[2] == {}  # an absent flag is not given
     result = runner.invoke(probe, ["--cache-size", "big"])
     assert isinstance(result.exception, H2OStreamError) and "--cache-size must be a whole number" in str(
         result.exception)
