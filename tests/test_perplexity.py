@@ -12,10 +12,10 @@ import time
 import pytest
 import torch
 from policy_matrix import BANDED, SCORED
+from ppl_helpers import ppl
 from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_model
 
 from h2o_stream import make_policy, stream_perplexity
-from h2o_stream.cli import main
 from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
@@ -117,13 +117,7 @@ def corpus(tmp_path):
 
 
 def run_cli(args, capsys):
-    try:
-        main(["ppl", *map(str, args)])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return ppl(capsys, *args)
 
 
 def test_ppl_command_writes_results_plot_and_table(model_dir, corpus, tmp_path, capsys):
