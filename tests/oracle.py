@@ -45,6 +45,29 @@ def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
     return torch.randint(2, vocab, (1, length), generator=generator)
 
 
+def run_against_oracle(spec, kv_heads: int, rolling: bool, *, steps: int):
+    """Feed one random stream of `steps` tokens, token by token, through the engine and the oracle on a tiny llama
+    with `kv_heads` KV heads; assert equal logits (1e-4) and kept entries of every layer and head at every step, and
+    that something was evicted. Returns the engine's cache."""
+    from tiny_models import VOCAB, tiny_model
+
+    from h2o_stream import StreamingCache
+
+    model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
+    oracle = Oracle.for_policy(model, spec, rolling=rolling)
+    cache = StreamingCache(model, spec, rolling=rolling)
+    ids = stream_for(spec, steps, seed=kv_heads, vocab=VOCAB)
+    for t in range(ids.shape[1]):
+        engine_logits = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
+        oracle_logits = oracle.step(int(ids[0, t]))
+        assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"step {t}"
+        for layer_idx, layer in enumerate(cache.layers):
+            for head in range(kv_heads):
+                assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (t, layer_idx)
+    assert cache.evicted > 0
+    return cache
+
+
 def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
     angle = position * inv_freq
     cos, sin = torch.cos(angle), torch.sin(angle)

@@ -5,8 +5,7 @@ separator ids. tests/test_engine.py runs every registered policy the oracle know
 from __future__ import annotations
 
 import pytest
-import torch
-from oracle import Oracle, stream_for
+from oracle import Oracle, run_against_oracle, stream_for
 from policy_matrix import EVICTING, TOKENIZED
 from tiny_models import VOCAB, random_ids, tiny_model
 
@@ -28,29 +27,12 @@ VARIANTS = {
 }
 
 
-def run_against_oracle(spec, kv_heads: int, rolling: bool, steps: int = 10 * BUDGET):
-    """Feed one random stream token by token through the engine and the oracle; compare logits and kept entries."""
-    model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
-    oracle = Oracle.for_policy(model, spec, rolling=rolling)
-    cache = StreamingCache(model, spec, rolling=rolling)
-    ids = stream_for(spec, steps, seed=kv_heads, vocab=VOCAB)
-    for t in range(ids.shape[1]):
-        engine_logits = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
-        oracle_logits = oracle.step(int(ids[0, t]))
-        assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"step {t}"
-        for layer_idx, layer in enumerate(cache.layers):
-            for head in range(kv_heads):
-                assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (t, layer_idx)
-    assert cache.evicted > 0
-    return cache
-
-
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
 def test_policy_variants_agree_with_the_oracle_on_streams_ten_times_the_budget(variant, kv_heads, rolling):
     spec = VARIANTS[variant]()
-    cache = run_against_oracle(spec, kv_heads, rolling)
+    cache = run_against_oracle(spec, kv_heads, rolling, steps=10 * BUDGET)
     kept = [tuple(layer.positions[0, h].tolist()) for layer in cache.layers for h in range(kv_heads)]
     if variant == "tova-per-head" and kv_heads > 1:
         assert len(set(kept)) > 1  # per KV head: heads chose differently somewhere
