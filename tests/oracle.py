@@ -98,6 +98,7 @@ class Oracle:
         self.group = config.num_attention_heads // config.num_key_value_heads
         self.entries = [[[] for _ in range(config.num_key_value_heads)] for _ in range(config.num_hidden_layers)]
         self.t = 0
+        self.received: dict[int, float] | None = None  # inside a fair chunk: id(entry) -> attention received so far
         AttentionInterface.register(_ORACLE_NAME, _oracle_attention)
 
     @classmethod
@@ -117,6 +118,55 @@ class Oracle:
             _running.pop()
             self.model.set_attn_implementation(previous)
         self.t += 1
+        return logits
+
+    BANDS = ("full", "window", "sink")
+    #: the order in which the engine's policies declare their parts (ties in a fair chunk's cut go to the earlier)
+    PART_ORDER = ("sinks", "heavy", "states", "separators", "diverse", "recent")  # chunked mode equals exact mode for these: no fair cut
+
+    def chunk(self, tokens: list[int]) -> torch.Tensor:
+        """Fair chunked mode as docs/design.md states it, for a policy without a band; (C, vocab) logits.
+
+        First every head is cut to budget + 1 - C entries with the policy's rule at that smaller budget: every part
+        but the sinks gives up its share of the C - 1 slots in proportion to its size (the largest remainders one
+        more, ties to the part declared first), the sinks only if nothing else is left. Then the C
+        tokens run one by one with no cut in between (each query sees everything before it); the attention each
+        entry received is summed over the chunk's queries (tova: the last query's alone) and becomes its score once,
+        as one step of the policy's rule; then the cut to the budget.
+        """
+        assert self.policy_name not in self.BANDS
+        kept = self.budget + 1 - len(tokens)
+        names = [n for n in ("sinks", "heavy", "states", "separators", "diverse", "recent") if getattr(self, n)]
+        saved = {name: getattr(self, name) for name in (*names, "budget")}
+        cut = self.budget - kept
+        others = [n for n in names if n != "sinks"]
+        total = sum(getattr(self, n) for n in others)
+        if cut >= total:
+            for n in others:
+                setattr(self, n, 0)
+            self.sinks -= cut - total
+        else:  # each other part gives up its share of the cut; the largest remainders give one slot more
+            shares = {n: cut * getattr(self, n) / total for n in others}
+            order = sorted(others, key=lambda n: (-(shares[n] - math.floor(shares[n])), self.PART_ORDER.index(n)))
+            extra = cut - sum(math.floor(share) for share in shares.values())
+            for i, n in enumerate(order):
+                setattr(self, n, getattr(self, n) - math.floor(shares[n]) - (1 if i < extra else 0))
+        self.budget = kept
+        for heads in self.entries:
+            for h in range(len(heads)):
+                heads[h] = self.cut(heads[h])
+        for name, value in saved.items():
+            setattr(self, name, value)
+        self.received = {}
+        try:
+            logits = torch.stack([self.step(token) for token in tokens])
+        finally:
+            received, self.received = self.received, None
+        for heads in self.entries:
+            for h in range(len(heads)):
+                for e in heads[h]:
+                    self.take_score(e, received[id(e)])
+                heads[h] = self.cut(heads[h])
         return logits
 
     def kept_positions(self, layer: int, head: int) -> list[int]:
@@ -147,8 +197,9 @@ class Oracle:
             outputs.append(out)
             probs_of.append(probs)
         self.score(heads, probs_of)
-        for h in range(len(heads)):
-            heads[h] = self.cut(heads[h])
+        if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
+            for h in range(len(heads)):
+                heads[h] = self.cut(heads[h])
         return torch.stack(outputs)
 
     def score(self, heads: list[list[Entry]], probs_of: list[list[float]]) -> None:
@@ -161,12 +212,21 @@ class Oracle:
                     received = sum(probs[slot] for probs in probs_of) / len(probs_of)
                 else:
                     received = sum(probs_of[q][slot] for q in range(h * self.group, (h + 1) * self.group))
-                if self.policy_name == "tova":
-                    e.score = received  # only the current query's attention
-                elif self.policy_name == "a2sf":
-                    e.score = self.alpha * e.score + received
+                if self.received is None:
+                    self.take_score(e, received)
+                elif self.policy_name == "tova":
+                    self.received[id(e)] = received  # the chunk's last query counts alone
                 else:
-                    e.score += received
+                    self.received[id(e)] = self.received.get(id(e), 0.0) + received
+
+    def take_score(self, e: Entry, received: float) -> None:
+        """One step of the policy's score rule."""
+        if self.policy_name == "tova":
+            e.score = received  # only the current query's attention
+        elif self.policy_name == "a2sf":
+            e.score = self.alpha * e.score + received
+        else:
+            e.score += received
 
     def cut(self, entries: list[Entry]) -> list[Entry]:
         if self.budget is None or len(entries) <= self.budget:

@@ -13,6 +13,7 @@ import click
 from h2o_stream.errors import H2OStreamError
 
 from .chat import chat
+from .leaderboard import leaderboard
 from .ppl import ppl
 from .summarize import summarize
 
@@ -20,10 +21,10 @@ from .summarize import summarize
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-stream")
 def cli():
-    """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks)."""
+    """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks, and newer policies)."""
 
 
-for _command in (ppl, chat, summarize):
+for _command in (ppl, leaderboard, chat, summarize):
     cli.add_command(_command)
 
 

@@ -26,6 +26,17 @@ def model_options(command):
     return _apply(options, command)
 
 
+#: --data, for the commands that stream a corpus (ppl, leaderboard)
+data_option = click.option(
+    "--data", type=click.Path(), default=None,
+    help="'sample' (the public-domain books shipped with h2o-stream), or a local corpus: .jsonl/.parquet (PG-19 "
+         "columns) or .txt (also gzipped), or a directory. Default: PG-19 test split from the Hugging Face Hub.")
+
+#: --checkpoint-every, for the commands that run resumable perplexity runs
+checkpoint_option = click.option("--checkpoint-every", type=click.IntRange(min=1), default=50_000, show_default=True,
+                                 help="Tokens between checkpoints.")
+
+
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
     """--policy, --cache-size, one option per budget part and per setting of the registered policies, and
     --no-rolling.

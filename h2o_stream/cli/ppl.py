@@ -13,19 +13,21 @@ from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
-from .options import cache_options, command_argv, model_options
+from .options import cache_options, checkpoint_option, command_argv, data_option, model_options
 
 
 @click.command()
 @model_options
 @cache_options("h2o,sink", 256, multiple=True)
-@click.option("--chunk-size", type=int, default=256, show_default=True, help="Tokens per forward pass (fast mode).")
+@click.option("--chunk-size", type=int, default=None,
+              help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
+                   "exact mode), a quarter of the cache size for the other policies.")
 @click.option("--exact", is_flag=True, help="Token-by-token reference mode (chunk size 1).")
+@click.option("--wide-chunks", is_flag=True,
+              help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
+                   "chunk size keys). By default no query sees more than cache size + 1 keys, as in exact mode.")
 @click.option("--tokens", type=int, default=100_000, show_default=True, help="Stream tokens to evaluate per run.")
-@click.option("--data", type=click.Path(), default=None,
-              help="'sample' (the public-domain books shipped with h2o-stream), or a local corpus: "
-                   ".jsonl/.parquet (PG-19 columns) or .txt (also gzipped), or a directory. Default: PG-19 test "
-                   "split from the Hugging Face Hub.")
+@data_option
 @click.option("--skip-tokens", type=click.IntRange(min=0), default=0, help="Start this far into the stream.")
 @click.option("--reset-per-book", is_flag=True, help="Empty the cache at each book instead of carrying it over.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="h2o-stream-ppl", show_default=True,
@@ -33,12 +35,11 @@ from .options import cache_options, command_argv, model_options
 @click.option("--resume", is_flag=True,
               help="Continue the runs checkpointed in --out (settings must match); finished runs can be extended "
                    "with a larger --tokens and give the same result as one uninterrupted run.")
-@click.option("--checkpoint-every", type=click.IntRange(min=1), default=50_000, show_default=True,
-              help="Tokens between checkpoints.")
+@checkpoint_option
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Tokens between points of the running-PPL curve.")
-def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, tokens, data,
-        skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every):
+def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, wide_chunks,
+        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -46,32 +47,40 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     may use an --out directory. Ctrl-C (or SIGTERM) finishes the current chunk, writes a checkpoint and prints the
     command that resumes.
     """
-    from h2o_stream.loading.models import load_model
-
     if exact:
-        if click.get_current_context().get_parameter_source("chunk_size").name != "DEFAULT" and chunk_size != 1:
+        if chunk_size not in (None, 1):
             raise H2OStreamError("--exact runs token by token; drop --chunk-size or --exact")
         chunk_size = 1
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
     argv = command_argv()
     # every run that needs no tokenizer is built (and so checked) before the model loads; the rest once it has
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size,
-                  rolling=not no_rolling, reset_per_book=reset_per_book, skip_tokens=skip_tokens,
-                  checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
+                  rolling=not no_rolling, wide_chunks=wide_chunks, reset_per_book=reset_per_book,
+                  skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
                   command=shlex.join(argv))
+    results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
+                        model_spec=model_spec, dtype=dtype, device=device, threads=threads)
+    click.echo(summary_table(results))
+    click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
+
+
+def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], **loading) -> list[dict]:
+    """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
+    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run) and run them; Ctrl-C / SIGTERM checkpoint, print the
+    command that resumes (`argv` with --resume) and exit."""
+    from h2o_stream.loading.models import load_model
+
     sweep.check()
     with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
-        loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
-        sweep.specs = run_specs(policy, cache_size, parts, tokenizer=loaded.tokenizer)
+        loaded = load_model(loading.pop("model_spec"), **loading)
+        sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:
             with stop.catching():
-                results = sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop,
-                                    note=lambda text: click.echo(text, err=True))
+                return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop,
+                                 note=lambda text: click.echo(text, err=True))
         except Interrupted as stopped:
             again = argv if "--resume" in argv else [*argv, "--resume"]
             click.echo(f"{stopped}. Continue with:\n  {shlex.join(again)}", err=True)
             sys.exit(stopped.exit_status)
-    click.echo(summary_table(results))
-    click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)

@@ -4,10 +4,12 @@ Per layer and KV head it holds at most `policy.budget` entries between forward p
 their keys/values (slots n..n+C-1), the attention function attends over all n+C entries and reports how much attention
 each entry received, and the layer then cuts back to the budget with the policy's choice of slots.
 
-Invariants (per layer):
-- keys/values/positions/scores share the slot axis; slots are in ascending stream order for every head;
-- with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
-- without rolling, `keys` stay as the model rotated them, at their true stream positions.
+Chunked mode is fair by default: no query sees more than budget + 1 keys, as in exact (token-by-token) mode. Band
+policies (sink, window) get exactly exact mode's keys through a banded mask; every other policy first cuts the cache
+to budget + 1 - C entries with its own choice at that smaller budget (`EvictionPolicy.reduced`), so that the chunk's
+last query sees budget + 1. `wide_chunks=True` skips that cut (queries then see up to budget + C keys).
+
+The per-layer storage and its invariants are in `layer.py`.
 """
 
 from __future__ import annotations
@@ -15,135 +17,27 @@ from __future__ import annotations
 import weakref
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
 from .hooks import active_cache, attach
+from .layer import StreamingLayer
 from .policies import EvictionPolicy
 
 
-class StreamingLayer(CacheLayerMixin):
-    is_sliding = False
-    is_croppable = False
+#: the chunk size for policies whose chunked mode equals exact mode at any chunk (band policies, the full cache)
+BAND_CHUNK = 256
 
-    def __init__(self, policy: EvictionPolicy, roller: RopeRoller | None):
-        super().__init__()
-        self.policy = policy
-        self.roller = roller
-        self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
-        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) attention scores, if the policy uses them
-        self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
-        self.pending_tokens: torch.Tensor | None = None  # (batch, C) ids of the forward now running (needs_tokens)
-        self.seen = 0  # tokens this layer has been given
-        self.evicted = 0  # entries cut, summed over heads
-        self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
 
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        batch, heads, _, _ = key_states.shape
-        self.device = key_states.device
-        self.keys = key_states[..., :0, :].clone()
-        self.values = value_states[..., :0, :].clone()
-        self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
-        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
-        score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.scores = torch.empty(batch, heads, 0, dtype=score_dtype, device=self.device)
-        if self.policy.needs_tokens:
-            self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
-        self.is_initialized = True
-
-    @property
-    def slots(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use."""
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        n, c = self.slots, key_states.shape[-2]
-        if self.roller is not None:
-            key_states = self.roller.unrotate(key_states, n, n + c)
-        batch, heads = self.positions.shape[:2]
-        new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        self.scores = torch.nn.functional.pad(self.scores, (0, c))
-        if self.tokens is not None:
-            new_tokens = self.pending_tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
-            self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
-        self.seen += c
-        keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
-        return keys, self.values
-
-    def after_attention(self, received: torch.Tensor | None) -> None:
-        """Fold the attention each entry just received (batch, kv_heads, n) into the scores (the policy's
-        `update_scores`), then cut back to the budget."""
-        if received is not None:
-            self.policy.update_scores(self.scores, received)
-        budget = self.policy.budget
-        if budget is None or self.slots <= budget:
-            return
-        rows = self._kept_rows(budget)
-        self.evicted += self.positions.numel() - rows.numel()
-        self.keys = _take(self.keys, rows, budget)
-        self.values = _take(self.values, rows, budget)
-        self.positions = _take(self.positions, rows, budget)
-        self.scores = _take(self.scores, rows, budget)
-        if self.tokens is not None:
-            self.tokens = _take(self.tokens, rows, budget)
-
-    def _kept_rows(self, budget: int) -> torch.Tensor:
-        """The policy's kept slots as rows of the flattened (batch*heads*slots) storage.
-
-        Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
-        their answer is memoised: in steady state it is one dictionary lookup per layer and step.
-        """
-        batch, heads, slots = self.positions.shape
-        memo_key = (batch, heads, slots)
-        if self.policy.band() is not None and memo_key in self._rows_memo:
-            return self._rows_memo[memo_key]
-        policy = self.policy
-        extra = {}
-        if policy.needs_keys:
-            extra["keys"] = self.keys
-        if policy.needs_tokens:
-            extra["tokens"] = self.tokens
-        keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
-        offsets = torch.arange(batch * heads, device=keep.device).view(batch, heads, 1) * slots
-        rows = (keep + offsets).reshape(-1)
-        if self.policy.band() is not None:
-            self._rows_memo[memo_key] = rows
-        return rows
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.slots + query_length, 0
-
-    def get_seq_length(self) -> int:
-        # Tokens seen, as for transformers' sliding-window layers: `generate` slices its inputs by it.
-        return self.seen
-
-    def get_max_length(self) -> int:
-        budget = self.policy.budget
-        return -1 if budget is None else budget
-
-    def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.tokens = None
-        self.is_initialized = False
-        self.seen = self.evicted = 0
-
-    def state(self) -> dict:
-        """A snapshot (copies: scores are updated in place by later forwards)."""
-        names = ("keys", "values", "positions", "scores", "seen", "evicted")
-        state = {k: getattr(self, k) for k in (*names, "tokens") if k in names or self.policy.needs_tokens}
-        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-
-    def load_state(self, state: dict) -> None:
-        for k, v in state.items():
-            setattr(self, k, v)
-        self.is_initialized = self.keys is not None
-        if self.is_initialized:
-            self.device = self.keys.device
+def default_chunk_size(policy: EvictionPolicy) -> int:
+    """Tokens per forward when a user gives none: 256 for band policies and the full cache (their chunked mode is
+    exact mode at any chunk size); a quarter of the budget for the others, whose fair chunks cut to budget + 1 - C
+    entries first: early queries of a chunk see up to C - 1 keys fewer than exact mode, so C stays small against
+    the budget (measured: eval/results/fair_chunks.json)."""
+    if policy.budget is None or policy.band() is not None:
+        return BAND_CHUNK
+    return max(1, policy.budget // 4)
 
 
 def _model_shape(config) -> tuple[int, int, int]:
@@ -180,12 +74,6 @@ def _check_attention_mask(attention_mask: torch.Tensor | None) -> None:
             "score and position the padding as real tokens. Batch streams of equal length, or run them one at a time")
 
 
-def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
-    """x (batch, heads, slots, *rest) at the kept slots. index_select on a flat view: CPU gather is ~10x slower."""
-    batch, heads, slots = x.shape[:3]
-    return x.reshape(batch * heads * slots, *x.shape[3:]).index_select(0, rows).view(batch, heads, kept, *x.shape[3:])
-
-
 class StreamingCache(Cache):
     """Fixed-budget cache for `model`: pass it as `cache=` to a forward or to `model.generate`.
 
@@ -194,7 +82,7 @@ class StreamingCache(Cache):
     model and one batch of unpadded streams; anything else is refused before the model runs (see `begin_forward`).
     """
 
-    def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True):
+    def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True, wide_chunks: bool = False):
         config = model.config.get_text_config(decoder=True)
         roller = RopeRoller.for_model(model) if rolling else None
         budget = policy.budget
@@ -210,6 +98,8 @@ class StreamingCache(Cache):
         super().__init__(layers=[StreamingLayer(policy, roller) for _ in range(config.num_hidden_layers)])
         self.policy = policy
         self.rolling = rolling
+        # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
+        self.fair = not wide_chunks and policy.band() is None and budget is not None
         self.context = context
         attach(model)
         # The model it was made for (its rotary tables and shapes are baked in); weak, so the cache never keeps it.
@@ -229,6 +119,12 @@ class StreamingCache(Cache):
     def evicted(self) -> int:
         return sum(layer.evicted for layer in self.layers)
 
+    @property
+    def max_keys_seen(self) -> int:
+        """The most keys any query has attended to (budget + 1 at most, in exact mode and in fair chunked mode, once
+        the cache holds entries; a prompt into an empty cache sees itself)."""
+        return max(layer.max_keys for layer in self.layers)
+
     def get_query_offset(self, layer_idx: int = 0) -> int:
         # The mask is built in slot space: queries sit right after the n cached entries.
         return self.layers[layer_idx].slots
@@ -237,11 +133,12 @@ class StreamingCache(Cache):
     def max_chunk(self) -> int | None:
         """The most tokens one forward may add on top of cached entries (None: no limit from the policy).
 
-        A policy without a band (h2o and every other policy that decides once per chunk) in chunked mode lets every
-        query of a chunk see the n cached entries and its chunk predecessors; with a chunk wider than the budget that
-        is far more than the budget + 1 keys exact mode gives a query, so its numbers stop meaning anything (a
-        1-entry h2o cache would beat every other policy). Band policies (sink, window) mask each query down to
-        exactly what exact mode gives it, so they take any chunk.
+        A policy without a band (h2o and every other policy that decides once per chunk) makes room for a fair chunk
+        by cutting to budget + 1 - C entries first, which needs C <= budget; with `wide_chunks` every query of a chunk
+        sees the n cached entries and its chunk predecessors, and a chunk wider than the budget would make that far
+        more than the budget + 1 keys exact mode gives a query (a 1-entry h2o cache would beat every other policy).
+        Band policies (sink, window) mask each query down to exactly what exact mode gives it, so they take any
+        chunk.
         """
         return None if self.policy.band() is not None else self.policy.budget
 
@@ -289,6 +186,9 @@ class StreamingCache(Cache):
         self.check_fits(length)
         if self.policy.needs_tokens:
             self._pass_tokens(inputs)
+        if self.fair and self.slots:
+            for layer in self.layers:
+                layer.make_room(length)
         start = self.slots if self.rolling else self.seen
         if self.rolling and self.context is not None and start + length > self.context:
             raise H2OStreamError(

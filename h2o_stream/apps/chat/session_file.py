@@ -35,7 +35,7 @@ RECENT_MESSAGES = 6  # messages kept as text (for display after /load); the cach
 _PROBE_TEXT = "Hello, world! 123 Ünïcode ✓"
 _COUNTERS = {"turns": int, "prompt_tokens": int, "generated_tokens": int, "prompt_seconds": float,
              "generate_seconds": float}
-_LAYER_KEYS = {"keys", "values", "positions", "scores", "seen", "evicted"}
+_LAYER_KEYS = {"keys", "values", "positions", "scores", "seen", "evicted", "max_keys"}
 
 
 def model_fingerprint(model) -> dict:
@@ -225,10 +225,11 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
     budget = cache.policy.budget
     shapes = set()
     for layer in layers:
-        if not isinstance(layer, dict) or set(layer) != _LAYER_KEYS:
+        # sessions saved before the cache counted keys seen lack max_keys
+        if not isinstance(layer, dict) or set(layer) | {"max_keys"} != _LAYER_KEYS:
             raise ValueError("a layer has unexpected fields")
-        seen, evicted = layer["seen"], layer["evicted"]
-        if not (isinstance(seen, int) and isinstance(evicted, int) and seen >= 0 and evicted >= 0):
+        seen, evicted, widest = layer["seen"], layer["evicted"], layer.get("max_keys", 0)
+        if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in (seen, evicted, widest)):
             raise ValueError("bad layer counters")
         keys, values, positions, scores = (layer[k] for k in ("keys", "values", "positions", "scores"))
         if keys is None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import psutil
 import torch
 
-from h2o_stream.engine.cache import StreamingCache
+from h2o_stream.engine.cache import StreamingCache, default_chunk_size
 from h2o_stream.engine.policies import EvictionPolicy, make_policy
 from h2o_stream.errors import H2OStreamError, one_line
 from h2o_stream.files import UnverifiedFile, read_verified, write_verified
@@ -40,6 +40,7 @@ class PerplexityResult:
     seconds: float
     peak_rss_bytes: int
     rss_samples: list[tuple[int, int]] = field(default_factory=list)
+    max_keys_seen: int = 0  # the most keys any query attended to (budget + 1 in exact and fair chunked mode)
 
     @property
     def mean_nll(self) -> float:
@@ -57,15 +58,17 @@ class PerplexityResult:
         return {"settings": self.settings, "tokens_fed": self.tokens_fed, "predicted_tokens": self.predicted,
                 "nll_sum": self.nll_sum, "mean_nll": self.mean_nll, "ppl": self.ppl, "seconds": self.seconds,
                 "tokens_per_second": self.tokens_per_second, "peak_rss_bytes": self.peak_rss_bytes,
-                "rss_samples": self.rss_samples, "curve": self.curve}
+                "rss_samples": self.rss_samples, "max_keys_seen": self.max_keys_seen, "curve": self.curve}
 
 
 class PerplexityRun:
     """Feeds a token stream through a StreamingCache in chunks and accumulates the NLL of every prediction."""
 
-    def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int = 64, rolling: bool = True,
+    def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int | None = None, rolling: bool = True,
                  curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None,
-                 record_tokens: bool = False):
+                 record_tokens: bool = False, wide_chunks: bool = False):
+        if chunk_size is None:
+            chunk_size = default_chunk_size(policy)
         if chunk_size < 1:
             raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
         self.model = model
@@ -74,14 +77,14 @@ class PerplexityRun:
         self.rolling = rolling
         self.curve_every = curve_every
         self.reset_per_book = reset_per_book
-        self.cache = StreamingCache(model, policy, rolling=rolling)
+        self.cache = StreamingCache(model, policy, rolling=rolling, wide_chunks=wide_chunks)
         self.cache.check_chunk_size(chunk_size)  # up front: the engine would refuse the second chunk otherwise
         context = self.cache.context
         if rolling and context and policy.budget is not None and policy.budget + chunk_size > context:
             raise H2OStreamError(f"cache size {policy.budget} + chunk size {chunk_size} exceeds the model's context "
                                  f"of {context} positions; use a smaller chunk or cache")
         self.settings = {**(settings or {}), **policy.settings(), "chunk_size": chunk_size, "rolling": rolling,
-                         "reset_per_book": reset_per_book}
+                         "reset_per_book": reset_per_book, "wide_chunks": wide_chunks}
         self.position = 0  # stream tokens fed so far
         self.book = -1  # index of the book the last fed token belongs to
         self.book_start = 0  # stream position where chunking restarts (moves per book with reset_per_book)
@@ -171,7 +174,8 @@ class PerplexityRun:
             self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))
         return PerplexityResult(settings=self.settings, tokens_fed=self.position, predicted=self.predicted,
                                 nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
-                                peak_rss_bytes=self.peak_rss, rss_samples=list(self.rss_samples))
+                                peak_rss_bytes=self.peak_rss, rss_samples=list(self.rss_samples),
+                                max_keys_seen=self.cache.max_keys_seen)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -271,15 +275,17 @@ def token_pieces(texts_or_ids, tokenizer=None) -> Iterator[tuple[int, torch.Tens
 
 
 def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
-                      cache_size: int | None = 256, chunk_size: int = 64, rolling: bool = True,
+                      cache_size: int | None = 256, chunk_size: int | None = None, rolling: bool = True,
                       reset_per_book: bool = False, max_tokens: int | None = None, curve_every: int = 1000,
-                      **parts: int | None) -> PerplexityResult:
+                      wide_chunks: bool = False, **parts: int | None) -> PerplexityResult:
     """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache.
 
-    `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them."""
+    `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them. `chunk_size` None is
+    the policy's default (`default_chunk_size`); chunks are fair (no query sees more than budget + 1 keys) unless
+    `wide_chunks`."""
     if not isinstance(policy, EvictionPolicy):
         policy = make_policy(policy, cache_size, **parts)
     run = PerplexityRun(model, policy, chunk_size=chunk_size, rolling=rolling, curve_every=curve_every,
-                        reset_per_book=reset_per_book)
+                        reset_per_book=reset_per_book, wide_chunks=wide_chunks)
     run.run(token_pieces(tokens_or_texts, tokenizer), limit=max_tokens)
     return run.result()

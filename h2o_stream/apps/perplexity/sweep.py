@@ -12,6 +12,7 @@ result files, the corpus against its checkpoint: `binding`), so a bad one fails 
 from __future__ import annotations
 
 import errno
+import json
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,8 +79,9 @@ class Sweep:
     out: Path
     data: str | None  # a corpus source as loading.corpus reads it
     tokens: int  # stream tokens per run
-    chunk_size: int = 256
+    chunk_size: int | None = None  # None: each policy's default_chunk_size
     rolling: bool = True
+    wide_chunks: bool = False
     reset_per_book: bool = False
     skip_tokens: int = 0
     checkpoint_every: int = 50_000
@@ -121,7 +123,8 @@ class Sweep:
 
         def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
             return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
-                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base)
+                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
+                                 wide_chunks=self.wide_chunks)
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
@@ -135,9 +138,12 @@ class Sweep:
         for (name, policy), start in zip(self.specs, plans):
             if stop is not None and stop.requested:
                 raise Interrupted(stop.signum, None, None)
-            note(f"== {name}: {policy.describe()}, chunk {self.chunk_size}, "
-                 f"{'rolling' if self.rolling else 'no rolling'}")
+            if self.resume and finished(out / f"{name}.json", self.tokens):
+                note(f"== {name}: already done (its result file covers --tokens {self.tokens:,}); kept as it is")
+                continue
             run = new_run(policy)
+            note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''}, "
+                 f"{'rolling' if self.rolling else 'no rolling'}")
             checkpoint_path = out / f"{name}.ckpt"
             if start.position:
                 run.load(checkpoint_path)
@@ -154,6 +160,15 @@ class Sweep:
         write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
                                                                  for r in results]))
         return results
+
+
+def finished(result_path: Path, tokens: int) -> bool:
+    """Whether the result at `result_path` (checked against the run by `plan`) already covers `tokens`: it fed that
+    many, or the corpus ran out first. Such a run needs no checkpoint to be resumed, e.g. on another machine."""
+    if not result_path.exists():
+        return False
+    result = json.loads(result_path.read_text())
+    return result["tokens_fed"] >= tokens or bool(result.get("corpus_exhausted"))
 
 
 def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, checkpoint_every: int,

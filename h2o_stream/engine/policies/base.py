@@ -13,6 +13,7 @@ these declarations, so a new policy is one file in this folder with `@register` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -194,6 +195,18 @@ class EvictionPolicy(ABC):
         `tokens=` (batch, kv_heads, n), each entry's token id. A score normalised by age divides by `ages(positions)`.
         """
 
+    def reduced(self, budget: int) -> EvictionPolicy:
+        """This policy with a smaller `budget` (>= 1): what a fair chunk of C tokens keeps before it runs, at
+        budget + 1 - C, so that its last query sees this policy's budget + 1 keys, as in exact mode.
+
+        Every part but the sinks gives up slots in proportion to its size (largest remainders get the odd slots, ties
+        in declaration order), so that each keeps its role (h2o's heavy hitters, sepllm's separators) at any chunk
+        size; the sinks give up slots only when nothing else is left. Settings and other fields stay as they are.
+        """
+        if not 1 <= budget <= self.budget:
+            raise H2OStreamError(f"{self.describe()} cannot be reduced to {budget} slots")
+        return dataclasses.replace(self, **shrink_parts(self.split(), self.budget - budget))
+
     def band(self) -> tuple[int, int] | None:
         """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
         predecessors. Such policies need no decision inside a chunk, so chunked mode can equal exact mode with a
@@ -230,6 +243,25 @@ def split_budget(parts: tuple[Part, ...], cache_size: int, given: dict[str, int]
                 left -= values[part.name]
         values[rest.name] = left
     return {part.name: values[part.name] for part in parts}
+
+
+def shrink_parts(parts: dict[str, int], cut: int) -> dict[str, int]:
+    """`parts` (name -> slots) with `cut` slots fewer: see `EvictionPolicy.reduced`."""
+    values = dict(parts)
+    shrinkable = [name for name in values if name != SINKS.name]
+    total = sum(values[name] for name in shrinkable)
+    if cut >= total:
+        for name in shrinkable:
+            values[name] = 0
+        if SINKS.name in values:
+            values[SINKS.name] -= cut - total
+        return values
+    shares = {name: cut * values[name] / total for name in shrinkable}
+    taken = {name: math.floor(share) for name, share in shares.items()}
+    by_remainder = sorted(shrinkable, key=lambda name: -(shares[name] - taken[name]))  # stable: declaration order
+    for name in by_remainder[: cut - sum(taken.values())]:
+        taken[name] += 1
+    return {name: value - taken.get(name, 0) for name, value in values.items()}
 
 
 def check_count(name: str, value: int, *, minimum: int = 0) -> int:

@@ -1,0 +1,160 @@
+"""Fair chunked mode against exact mode, every policy, on the default model: the perplexity gap and the throughput.
+
+1. gap: `h2o-stream ppl` results of the same stream in exact mode and in (fair, default-chunk) chunked mode, one JSON
+   per policy in two directories; the relative PPL gap per policy (target: within 1%) and the keys each query saw.
+2. throughput, measured here side by side: each policy's chunked forward (cache B, its default chunk C) against the
+   model's raw chunked forward doing the same matrix work (a DynamicCache holding as many entries as ours before a
+   chunk: B + 1 - C for a fair chunk, B for a band policy; C new tokens; cropped back after each chunk). Rounds
+   alternate between contenders so that machine noise hits all alike (target: >= 0.85x).
+
+    DATA=/path/to/gutenberg_pre1919.jsonl
+    P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff
+    h2o-stream ppl --exact --data $DATA --tokens 20000 --policy $P --cache-size 256 --threads 1 \\
+        --out eval/results/fair_chunks/exact
+    h2o-stream ppl --data $DATA --tokens 20000 --policy $P --cache-size 256 --threads 1 \\
+        --out eval/results/fair_chunks/chunked
+    python eval/fair_chunks.py --data $DATA --threads 2 --out eval/results/fair_chunks.json
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
+from transformers import DynamicCache
+
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine import default_chunk_size
+from h2o_stream.loading.models import load_model
+
+GAP_TARGET, SPEED_TARGET = 0.01, 0.85
+
+
+def ppl_results(directory: Path) -> dict[str, dict]:
+    """policy name -> its `h2o-stream ppl` result in `directory` (one JSON per run; summary.json is skipped)."""
+    results = {}
+    for path in sorted(directory.glob("*.json")):
+        if path.name != "summary.json":
+            result = json.loads(path.read_text())
+            results[result["settings"]["policy"]] = result
+    return results
+
+
+def gaps(exact_dir: Path, chunked_dir: Path) -> dict[str, dict]:
+    """Per policy found in both: exact and chunked PPL over the same tokens, the relative gap, the keys seen."""
+    exact, chunked = ppl_results(exact_dir), ppl_results(chunked_dir)
+    rows = {}
+    for name in exact.keys() & chunked.keys():
+        e, c = exact[name], chunked[name]
+        if e["stream_sha256"] != c["stream_sha256"]:
+            raise click.ClickException(f"{name}: the exact and chunked runs read different streams")
+        rows[name] = {"tokens": c["predicted_tokens"], "exact_ppl": e["ppl"], "chunked_ppl": c["ppl"],
+                      "relative_gap": c["ppl"] / e["ppl"] - 1, "chunk_size": c["settings"]["chunk_size"],
+                      "wide_chunks": c["settings"].get("wide_chunks", True),
+                      "max_keys_seen_chunked": c.get("max_keys_seen"), "max_keys_seen_exact": e.get("max_keys_seen"),
+                      "exact_tokens_per_second": e["tokens_per_second"],
+                      "chunked_tokens_per_second_in_run": c["tokens_per_second"]}
+    return dict(sorted(rows.items()))
+
+
+@torch.no_grad()
+def time_chunks(model, cache, stream: torch.Tensor, chunk: int, keep: int | None) -> float:
+    """Seconds per token over the chunks of `stream`; a raw DynamicCache is cropped back to `keep` entries."""
+    started = time.perf_counter()
+    for start in range(0, stream.numel(), chunk):
+        model(stream[start:start + chunk].unsqueeze(0), cache=cache)
+        if keep is not None:
+            cache.crop(keep)
+    return (time.perf_counter() - started) / stream.numel()
+
+
+def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: int, round_tokens: int) -> dict:
+    model = loaded.model
+    stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * round_tokens, data)
+    prefix, timed = stream[:cache_size], stream[cache_size:]
+    contenders = {}  # name -> (cache, chunk, raw crop length or None)
+    for name in policies:
+        policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+        chunk = default_chunk_size(policy)
+        contenders[name] = (StreamingCache(model, policy), chunk, None)
+        held = cache_size if policy.band() is not None else cache_size + 1 - chunk
+        raw = f"raw {held}+{chunk}"
+        if raw not in contenders:
+            contenders[raw] = (DynamicCache(config=model.config), chunk, held)
+    with torch.no_grad():
+        for cache, chunk, keep in contenders.values():
+            for start in range(0, cache_size, chunk):
+                model(prefix[start:start + chunk].unsqueeze(0), cache=cache)
+            if keep is not None:
+                cache.crop(keep)
+    per_token = {name: [] for name in contenders}
+    for r in range(rounds):
+        block = timed[r * round_tokens:(r + 1) * round_tokens]
+        for name, (cache, chunk, keep) in contenders.items():
+            per_token[name].append(time_chunks(model, cache, block, chunk, keep))
+    speed = {name: 1 / statistics.median(v) for name, v in per_token.items()}
+    rows = {}
+    for name in policies:
+        cache, chunk, _ = contenders[name]
+        held = cache_size if cache.policy.band() is not None else cache_size + 1 - chunk
+        raw = f"raw {held}+{chunk}"
+        rows[name] = {"chunk_size": chunk, "tokens_per_second": speed[name], "raw_forward": raw,
+                      "raw_tokens_per_second": speed[raw], "ratio_vs_raw_forward": speed[name] / speed[raw]}
+    return rows
+
+
+@click.command()
+@click.option("--exact-dir", default="eval/results/fair_chunks/exact", show_default=True, type=click.Path())
+@click.option("--chunked-dir", default="eval/results/fair_chunks/chunked", show_default=True, type=click.Path())
+@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff", show_default=True)
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--round-tokens", default=1024, show_default=True, help="Tokens per timed round and contender.")
+@data_option
+@click.option("--threads", default=2, show_default=True)
+@click.option("--out", default="eval/results/fair_chunks.json", show_default=True)
+def main(exact_dir, chunked_dir, policies, cache_size, rounds, round_tokens, data, threads, out):
+    setup(threads)
+    loaded = load_model(None)
+    policies = policies.split(",")
+    speed = throughput(loaded, policies, cache_size, data, rounds, round_tokens)
+    gap = gaps(Path(exact_dir), Path(chunked_dir))
+    report = {"benchmark": "fair chunked mode vs exact mode and vs the raw chunked forward",
+              "model": loaded.name, "data": data, "cache_size": cache_size, "environment": environment(),
+              "targets": {"abs_relative_gap": GAP_TARGET, "ratio_vs_raw_forward": SPEED_TARGET},
+              "gap": gap, "throughput": speed,
+              "gap_note": "exact and chunked runs read the same stream (stream_sha256 checked); their tok/s were "
+                          "taken while other runs shared the machine, the throughput table was measured alone"}
+    for name in policies:
+        g = gap.get(name)
+        text = f"gap {g['relative_gap']:+.2%} over {g['tokens']:,} tokens" if g else "gap: no runs"
+        s = speed[name]
+        print(f"{name:10s} C={s['chunk_size']:3d} {s['tokens_per_second']:6.1f} tok/s = "
+              f"{s['ratio_vs_raw_forward']:.3f}x {s['raw_forward']}; {text}")
+    write_json(out, report)
+    plot(report, out.replace(".json", ".png"))
+
+
+def plot(report: dict, path: str) -> None:
+    fig, axes = new_figure(1, 2, size=(9, 3.6))
+    names = list(report["throughput"])
+    gap = report["gap"]
+    axes[0].bar(names, [100 * gap[n]["relative_gap"] if n in gap else 0 for n in names], color="#4c72b0")
+    for sign in (1, -1):
+        axes[0].axhline(sign * 100 * report["targets"]["abs_relative_gap"], color="red", linestyle="--")
+    axes[0].set_title("chunked PPL / exact PPL - 1 (%)", fontsize=9)
+    axes[1].bar(names, [report["throughput"][n]["ratio_vs_raw_forward"] for n in names], color="#55a868")
+    axes[1].axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
+    axes[1].set_title("chunked tok/s / raw forward tok/s (same work)", fontsize=9)
+    for ax in axes:
+        ax.tick_params(axis="x", rotation=45, labelsize=8)
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, fair chunks at the default size")
+
+
+if __name__ == "__main__":
+    main_or_replot(main, plot)

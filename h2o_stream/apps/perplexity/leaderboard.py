@@ -1,0 +1,141 @@
+"""The leaderboard: every policy at every cache size on one stream, as a table and two plots.
+
+It is built from `h2o-stream ppl` result files alone (`report.results_in`), so it can be redrawn at any time and it
+covers whatever runs have finished. Per cache size it ranks the policies by perplexity and gives each one's ratio to
+sink and to h2o at that size (only between runs over the same number of predicted tokens; otherwise the ratio is
+None), the most keys any query saw, the chunk size and the speed. Files: `leaderboard.json`, `leaderboard.md`,
+`ppl_vs_cache.png` (PPL against cache size, one line per policy) and `windowed_ppl.png` (PPL of consecutive windows
+of the stream, one panel per cache size).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+
+from h2o_stream.files import atomic_path, write_json
+from .report import LINE_STYLES, cache_size, results_in, title_of
+
+FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
+BASELINES = ("sink", "h2o")
+
+
+def leaderboard(results: list[dict]) -> dict:
+    """{'sizes': {size: {'rows': [...best first], 'winner': name}}} over the bounded runs in `results`."""
+    sizes: dict[int, list[dict]] = {}
+    for result in results:
+        size = cache_size(result)
+        if size is not None:
+            sizes.setdefault(size, []).append(result)
+    board = {}
+    for size, runs in sorted(sizes.items()):
+        baselines = {r["settings"]["policy"]: r for r in runs if r["settings"]["policy"] in BASELINES}
+        rows = []
+        for r in sorted(runs, key=lambda r: r["ppl"]):
+            row = {"policy": r["settings"]["policy"], "ppl": r["ppl"], "tokens": r["predicted_tokens"],
+                   "max_keys_seen": r.get("max_keys_seen"), "tokens_per_second": r["tokens_per_second"],
+                   "chunk_size": r["settings"]["chunk_size"], "wide_chunks": r["settings"].get("wide_chunks", True)}
+            for name in BASELINES:
+                base = baselines.get(name)
+                same = base is not None and base["predicted_tokens"] == r["predicted_tokens"]
+                row[f"vs_{name}"] = r["ppl"] / base["ppl"] if same else None
+            rows.append(row)
+        board[size] = {"rows": rows, "winner": rows[0]["policy"]}
+    return {"title": title_of(results), "sizes": board}
+
+
+def markdown(board: dict) -> str:
+    """The leaderboard as a Markdown table, one block of rows per cache size, best first."""
+    lines = ["| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | tokens |",
+             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for size, entry in board["sizes"].items():
+        for row in entry["rows"]:
+            ratios = [f"{row[f'vs_{name}']:.3f}" if row[f"vs_{name}"] is not None else "—" for name in BASELINES]
+            lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
+                         f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
+                         f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''} | "
+                         f"{row['tokens_per_second']:.0f} | {row['tokens']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def windowed(curve: list[tuple[int, float]], windows: int = 25) -> list[tuple[int, float]]:
+    """(end token, PPL of the window ending there) for about `windows` consecutive windows, from a running-PPL curve
+    [(predicted tokens, running PPL), ...]: a window's mean NLL is the difference of the running sums at its ends."""
+    if len(curve) < 2:
+        return []
+    stride = max(1, round((len(curve) - 1) / windows))
+    points = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve[stride - 1::stride]]
+    return [(end, math.exp((total - before) / (end - start)))
+            for (start, before), (end, total) in zip(points, points[1:]) if end > start]
+
+
+def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
+    """Build the leaderboard from every result in `runs_dir` and write its files (FILES) into `out`."""
+    results = [r for r in results_in(runs_dir) if cache_size(r) is not None]
+    board = leaderboard(results)
+    out = Path(out)
+    write_json(out / "leaderboard.json", board)
+    with atomic_path(out / "leaderboard.md") as partial:
+        Path(partial).write_text(markdown(board))
+    _plot_ppl_vs_cache(results, out / "ppl_vs_cache.png", board["title"])
+    _plot_windowed(results, out / "windowed_ppl.png", board["title"])
+    return board
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(fig, path: Path) -> None:
+    fig.tight_layout()
+    with atomic_path(path) as partial:
+        fig.savefig(partial, dpi=120)
+    _pyplot().close(fig)
+
+
+def _styles(results: list[dict]) -> dict[str, str]:
+    policies = sorted({r["settings"]["policy"] for r in results})
+    return {p: LINE_STYLES[i // 10 % len(LINE_STYLES)] for i, p in enumerate(policies)}
+
+
+def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    styles = _styles(results)
+    for policy, style in styles.items():
+        runs = sorted((cache_size(r), r["ppl"]) for r in results if r["settings"]["policy"] == policy)
+        ax.plot([s for s, _ in runs], [p for _, p in runs], style, marker="o", label=policy)
+    ax.set_xscale("log", base=2)
+    sizes = sorted({cache_size(r) for r in results})
+    ax.set_xticks(sizes, [str(s) for s in sizes])
+    ax.set_xlabel("cache size (entries per layer and KV head)")
+    ax.set_ylabel("perplexity")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+
+
+def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
+    plt = _pyplot()
+    sizes = sorted({cache_size(r) for r in results})
+    fig, axes = plt.subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False)
+    styles = _styles(results)
+    for ax, size in zip(axes[0], sizes):
+        for r in sorted((r for r in results if cache_size(r) == size), key=lambda r: r["settings"]["policy"]):
+            points = windowed(r["curve"])
+            policy = r["settings"]["policy"]
+            ax.plot([n for n, _ in points], [p for _, p in points], styles[policy], label=policy)
+        ax.set_title(f"cache {size}", fontsize=9)
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("perplexity of each window")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title, fontsize=9)
+    _save(fig, path)

@@ -1,0 +1,165 @@
+"""One layer of a `StreamingCache`: its entries (keys, values, stream positions, scores, token ids) and the cuts.
+
+Invariants:
+- keys/values/positions/scores (and tokens, for a policy that reads them) share the slot axis; slots are in ascending
+  stream order for every head;
+- with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
+- without rolling, `keys` stay as the model rotated them, at their true stream positions.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..rope_rolling import RopeRoller
+from .policies import EvictionPolicy
+
+
+class StreamingLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, policy: EvictionPolicy, roller: RopeRoller | None):
+        super().__init__()
+        self.policy = policy
+        self.roller = roller
+        self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
+        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) attention scores, if the policy uses them
+        self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
+        self.pending_tokens: torch.Tensor | None = None  # (batch, C) ids of the forward now running (needs_tokens)
+        self.seen = 0  # tokens this layer has been given
+        self.evicted = 0  # entries cut, summed over heads
+        self.max_keys = 0  # the most keys any query of this layer has seen
+        self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._reduced: dict[int, EvictionPolicy] = {}  # the policy at smaller budgets, for fair chunks
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        batch, heads, _, _ = key_states.shape
+        self.device = key_states.device
+        self.keys = key_states[..., :0, :].clone()
+        self.values = value_states[..., :0, :].clone()
+        self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
+        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
+        score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        self.scores = torch.empty(batch, heads, 0, dtype=score_dtype, device=self.device)
+        if self.policy.needs_tokens:
+            self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
+        self.is_initialized = True
+
+    @property
+    def slots(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        n, c = self.slots, key_states.shape[-2]
+        if self.roller is not None:
+            key_states = self.roller.unrotate(key_states, n, n + c)
+        batch, heads = self.positions.shape[:2]
+        new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_positions], dim=-1)
+        self.scores = torch.nn.functional.pad(self.scores, (0, c))
+        if self.tokens is not None:
+            new_tokens = self.pending_tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
+            self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
+        self.seen += c
+        band = self.policy.band()
+        visible = n + c if band is None else min(n + c, sum(band) + 1)  # the last query sees the most
+        self.max_keys = max(self.max_keys, visible)
+        keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
+        return keys, self.values
+
+    def after_attention(self, received: torch.Tensor | None) -> None:
+        """Fold the attention each entry just received (batch, kv_heads, n) into the scores (the policy's
+        `update_scores`), then cut back to the budget."""
+        if received is not None:
+            self.policy.update_scores(self.scores, received)
+        budget = self.policy.budget
+        if budget is None or self.slots <= budget:
+            return
+        self._cut(self.policy)
+
+    def make_room(self, length: int) -> None:
+        """Before a fair chunk of `length` tokens: cut to budget + 1 - length entries with the policy's choice at that
+        budget, so that the chunk's last query sees budget + 1 keys (see the module docstring)."""
+        budget = self.policy.budget
+        kept = budget + 1 - length
+        if kept >= self.slots:
+            return
+        if kept not in self._reduced:
+            self._reduced[kept] = self.policy.reduced(kept)
+        self._cut(self._reduced[kept])
+
+    def _cut(self, policy: EvictionPolicy) -> None:
+        """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor."""
+        budget = policy.budget
+        rows = self._kept_rows(policy)
+        self.evicted += self.positions.numel() - rows.numel()
+        self.keys = _take(self.keys, rows, budget)
+        self.values = _take(self.values, rows, budget)
+        self.positions = _take(self.positions, rows, budget)
+        self.scores = _take(self.scores, rows, budget)
+        if self.tokens is not None:
+            self.tokens = _take(self.tokens, rows, budget)
+
+    def _kept_rows(self, policy: EvictionPolicy) -> torch.Tensor:
+        """`policy`'s kept slots as rows of the flattened (batch*heads*slots) storage.
+
+        Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
+        their answer is memoised: in steady state it is one dictionary lookup per layer and step.
+        """
+        batch, heads, slots = self.positions.shape
+        memo_key = (batch, heads, slots)
+        if policy.band() is not None and memo_key in self._rows_memo:
+            return self._rows_memo[memo_key]
+        extra = {}
+        if policy.needs_keys:
+            extra["keys"] = self.keys
+        if policy.needs_tokens:
+            extra["tokens"] = self.tokens
+        keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
+        offsets = torch.arange(batch * heads, device=keep.device).view(batch, heads, 1) * slots
+        rows = (keep + offsets).reshape(-1)
+        if policy.band() is not None:
+            self._rows_memo[memo_key] = rows
+        return rows
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.slots + query_length, 0
+
+    def get_seq_length(self) -> int:
+        # Tokens seen, as for transformers' sliding-window layers: `generate` slices its inputs by it.
+        return self.seen
+
+    def get_max_length(self) -> int:
+        budget = self.policy.budget
+        return -1 if budget is None else budget
+
+    def reset(self) -> None:
+        self.keys = self.values = self.positions = self.scores = self.tokens = None
+        self.is_initialized = False
+        self.seen = self.evicted = self.max_keys = 0
+
+    def state(self) -> dict:
+        """A snapshot (copies: scores are updated in place by later forwards)."""
+        names = ("keys", "values", "positions", "scores", "seen", "evicted", "max_keys")
+        state = {k: getattr(self, k) for k in (*names, "tokens") if k in names or self.policy.needs_tokens}
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+
+    def load_state(self, state: dict) -> None:
+        for k, v in state.items():
+            setattr(self, k, v)
+        self.is_initialized = self.keys is not None
+        if self.is_initialized:
+            self.device = self.keys.device
+
+
+def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
+    """x (batch, heads, slots, *rest) at the kept slots. index_select on a flat view: CPU gather is ~10x slower."""
+    batch, heads, slots = x.shape[:3]
+    return x.reshape(batch * heads * slots, *x.shape[3:]).index_select(0, rows).view(batch, heads, kept, *x.shape[3:])

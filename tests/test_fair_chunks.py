@@ -1,0 +1,134 @@
+"""Fair chunked mode: no query of a chunk sees more than budget + 1 keys, for every policy (docs/design.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import Oracle, stream_for
+from policy_matrix import BANDED, EVICTING, build
+from tiny_models import VOCAB, random_ids, tiny_model
+
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine import default_chunk_size
+from h2o_stream.engine import hooks
+from h2o_stream.errors import H2OStreamError
+
+UNBANDED = [name for name in EVICTING if name not in BANDED]
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
+@pytest.mark.parametrize("chunk", [3, 5])
+def test_fair_chunks_agree_with_the_oracle(policy, kv_heads, rolling, chunk):
+    """Logits of every token (1e-4) and the kept entries of every layer and head after every chunk, on a stream ten
+    times the budget, against the oracle's statement of fair chunks."""
+    budget = 8
+    spec = build(policy, budget)
+    model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
+    oracle = Oracle.for_policy(model, spec, rolling=rolling)
+    cache = StreamingCache(model, spec, rolling=rolling)
+    ids = stream_for(spec, 10 * budget, seed=kv_heads + chunk, vocab=VOCAB)
+    for start in range(0, ids.shape[1], chunk):
+        piece = ids[:, start:start + chunk]
+        engine_logits = model(piece, cache=cache).logits[0]
+        oracle_logits = oracle.chunk(piece[0].tolist())
+        assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"chunk at {start}"
+        for layer_idx, layer in enumerate(cache.layers):
+            for head in range(kv_heads):
+                assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (start, layer_idx)
+    assert cache.evicted > 0
+    assert cache.max_keys_seen == budget + 1
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_no_query_sees_more_than_budget_plus_one_keys(policy, monkeypatch):
+    """Counted where attention runs, not by the cache's own bookkeeping: the widest key set a query is given."""
+    widest = []
+    for name in ("attend_with_scores", "attend_with_sink_queries"):
+        kernel = getattr(hooks, name)
+
+        def counting(query, key, value, mask, *args, _kernel=kernel, **kwargs):
+            widest.append(_widest_row(mask, query.shape[-2], key.shape[-2]))
+            return _kernel(query, key, value, mask, *args, **kwargs)
+        monkeypatch.setattr(hooks, name, counting)
+    sdpa = hooks.F.scaled_dot_product_attention
+
+    def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
+        widest.append(_widest_row(attn_mask, query.shape[-2], key.shape[-2]))
+        return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+    monkeypatch.setattr(hooks.F, "scaled_dot_product_attention", counting_sdpa)
+    model = tiny_model("llama")
+    budget, chunk = 16, 8
+    cache = StreamingCache(model, build(policy, budget))
+    ids = random_ids(80)
+    for start in range(0, 80, chunk):
+        model(ids[:, start:start + chunk], cache=cache)
+    assert max(widest) == budget + 1
+    assert cache.max_keys_seen == budget + 1
+
+
+def _widest_row(mask, q_len: int, k_len: int) -> int:
+    """The most keys one query row may attend to (no mask: causal, so the last row sees all k_len)."""
+    if mask is None:
+        return k_len
+    if mask.dtype == torch.bool:
+        return int(mask.sum(dim=-1).max())
+    return int((mask > float("-inf")).sum(dim=-1).max())
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_wide_chunks_let_queries_see_the_cache_plus_the_chunk(policy):
+    model = tiny_model("llama")
+    budget, chunk = 16, 8
+    fair = StreamingCache(model, build(policy, budget))
+    wide = StreamingCache(model, build(policy, budget), wide_chunks=True)
+    ids = random_ids(64)
+    outputs = {}
+    for name, cache in (("fair", fair), ("wide", wide)):
+        outputs[name] = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0] for s in range(0, 64, chunk)])
+    assert wide.max_keys_seen == budget + chunk and fair.max_keys_seen == budget + 1
+    assert not torch.allclose(outputs["fair"][chunk * 3:], outputs["wide"][chunk * 3:])
+    assert torch.equal(outputs["fair"][:budget], outputs["wide"][:budget])  # same until the first cut
+
+
+@pytest.mark.parametrize("policy", BANDED + ["full"])
+def test_band_policies_and_the_full_cache_are_untouched_by_fairness(policy):
+    model = tiny_model("llama")
+    ids = random_ids(64)
+    logits = {}
+    for wide in (False, True):
+        cache = StreamingCache(model, build(policy, 16), wide_chunks=wide)
+        logits[wide] = torch.cat([model(ids[:, s:s + 8], cache=cache).logits[0] for s in range(0, 64, 8)])
+    assert torch.equal(logits[False], logits[True])
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
+    spec = build(policy, 64)
+    full = spec.split()
+    others = {name: value for name, value in full.items() if name != "sinks"}
+    for budget in (63, 40, 17, 5, 1):
+        smaller = spec.reduced(budget)
+        split = smaller.split()
+        assert type(smaller) is type(spec) and smaller.budget == budget
+        cut = spec.budget - budget
+        if cut <= sum(others.values()):
+            assert split.get("sinks") == full.get("sinks"), split
+            for name, value in others.items():
+                share = cut * value / sum(others.values())
+                assert abs((value - split[name]) - share) < 1, (name, split)
+        else:
+            assert all(split[name] == 0 for name in others) and split["sinks"] == budget, split
+        assert {k: v for k, v in vars(smaller).items() if k not in full} == \
+            {k: v for k, v in vars(spec).items() if k not in full}
+    with pytest.raises(H2OStreamError, match="cannot be reduced"):
+        spec.reduced(0)
+
+
+def test_default_chunk_size_is_a_quarter_of_the_budget_unless_a_band_makes_chunks_exact():
+    assert default_chunk_size(make_policy("h2o", 256)) == 64
+    assert default_chunk_size(make_policy("tova", 128)) == 32
+    assert default_chunk_size(make_policy("h2o", 3)) == 1
+    assert default_chunk_size(make_policy("sink", 128)) == 256
+    assert default_chunk_size(make_policy("full")) == 256

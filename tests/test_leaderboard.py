@@ -1,0 +1,103 @@
+"""`h2o-stream leaderboard`: every policy × cache size on one stream, resumable from its result files alone."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from ppl_helpers import ppl, ppl_model_dir, write_corpus  # noqa: F401  (fixture)
+
+from h2o_stream.apps.perplexity.leaderboard import windowed
+from h2o_stream.cli import main
+
+POLICIES = "h2o,sink,tova,sepllm"
+
+
+def leaderboard(capsys, *args) -> tuple[int, str, str]:
+    try:
+        main(["leaderboard", *map(str, args)])
+        code = 0
+    except SystemExit as exit_:
+        code = exit_.code
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+@pytest.fixture
+def board_args(tmp_path, ppl_model_dir):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    return ["--model", ppl_model_dir, "--data", corpus, "--policy", POLICIES, "--cache-size", "16,32",
+            "--tokens", 300, "--out", tmp_path / "board"]
+
+
+def test_leaderboard_ranks_every_policy_at_every_size_against_sink_and_h2o(capsys, tmp_path, board_args):
+    code, stdout, stderr = leaderboard(capsys, *board_args)
+    assert code == 0, stderr
+    out = tmp_path / "board"
+    board = json.loads((out / "leaderboard.json").read_text())
+    assert sorted(board["sizes"]) == ["16", "32"]
+    for size, entry in board["sizes"].items():
+        rows = entry["rows"]
+        assert sorted(r["policy"] for r in rows) == sorted(POLICIES.split(","))
+        assert [r["ppl"] for r in rows] == sorted(r["ppl"] for r in rows) and entry["winner"] == rows[0]["policy"]
+        by_policy = {r["policy"]: r for r in rows}
+        for row in rows:
+            run = json.loads((out / "runs" / f"{row['policy']}-{size}.json").read_text())
+            assert row["ppl"] == run["ppl"] and row["tokens"] == run["predicted_tokens"] == 299
+            assert row["vs_sink"] == pytest.approx(run["ppl"] / by_policy["sink"]["ppl"])
+            assert row["vs_h2o"] == pytest.approx(run["ppl"] / by_policy["h2o"]["ppl"])
+            assert row["max_keys_seen"] == int(size) + 1  # fair chunks, as exact mode
+            assert run["settings"]["chunk_size"] == (256 if row["policy"] == "sink" else int(size) // 4)
+    table = (out / "leaderboard.md").read_text()
+    assert table == stdout and table.count("\n") == 2 + 8
+    assert (out / "ppl_vs_cache.png").stat().st_size > 0 and (out / "windowed_ppl.png").stat().st_size > 0
+
+
+def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(capsys, tmp_path, board_args):
+    """A fresh clone holds the result files but not the (git-ignored) checkpoints: nothing finished runs again."""
+    assert leaderboard(capsys, *board_args)[0] == 0
+    runs = tmp_path / "board" / "runs"
+    results = {p.name: p.read_bytes() for p in runs.glob("*-*.json")}
+    for checkpoint in runs.glob("*.ckpt"):
+        checkpoint.unlink()
+    (runs / "tova-32.json").unlink()  # one run unfinished on this machine
+    code, _, stderr = leaderboard(capsys, *board_args)
+    assert code == 0, stderr
+    assert stderr.count("already done") == 7 and "== tova-32: tova" in stderr
+    again = {p.name: p.read_bytes() for p in runs.glob("*-*.json")}
+    assert {k: v for k, v in again.items() if k != "tova-32.json"} == \
+        {k: v for k, v in results.items() if k != "tova-32.json"}
+    assert json.loads(again["tova-32.json"])["nll_sum"] == json.loads(results["tova-32.json"])["nll_sum"]
+
+
+def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, board_args):
+    code, _, stderr = leaderboard(capsys, *board_args[:-2], "--out", tmp_path / "empty", "--report-only")
+    assert code == 2 and "holds no finished runs" in stderr
+    assert leaderboard(capsys, *board_args)[0] == 0
+    (tmp_path / "board" / "leaderboard.md").unlink()
+    code, stdout, _ = leaderboard(capsys, *board_args, "--report-only")
+    assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
+
+
+def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--tokens", 200,
+            "--out", tmp_path / "out"]
+    assert ppl(capsys, *args)[0] == 0
+    (tmp_path / "out" / "h2o-16.ckpt").unlink()
+    before = (tmp_path / "out" / "h2o-16.json").read_bytes()
+    code, _, stderr = ppl(capsys, *args, "--resume")
+    assert code == 0 and "already done" in stderr
+    assert (tmp_path / "out" / "h2o-16.json").read_bytes() == before
+    code, _, stderr = ppl(capsys, *args[:-4], "--tokens", 300, "--out", tmp_path / "out", "--resume")
+    assert code == 0 and "already done" not in stderr  # a longer run is no longer done: it runs (from the start)
+    assert json.loads((tmp_path / "out" / "h2o-16.json").read_text())["tokens_fed"] == 300
+
+
+def test_windowed_ppl_is_the_ppl_of_each_window_of_the_running_curve():
+    nll = [1.0] * 100 + [3.0] * 100  # per-token NLL: the first half easier
+    curve = [(n, math.exp(sum(nll[:n]) / n)) for n in range(10, 201, 10)]
+    points = windowed(curve, windows=2)
+    assert [n for n, _ in points] == [100, 200]
+    assert points[0][1] == pytest.approx(math.e) and points[1][1] == pytest.approx(math.e ** 3)
