@@ -6,7 +6,8 @@ cache and is then asked "What is the secret passkey?" with the answer primed ("T
 few tokens greedily and a cell scores 1 if the first number it writes is the passkey, digit for digit.
 
 Variants, all with the same budget of B KV entries per layer and KV head:
-- h2o, sink (StreamingLLM), and window (sliding window, streamed): the whole document streams through the cache;
+- every registered policy (h2o, sink, window, tova, a2sf, h2o_sinks, sepllm, keydiff): the whole document streams
+  through the cache, in fair chunks of the policy's default size (`default_chunk_size`) unless --chunk-size is given;
 - truncation: the model only ever sees the last tokens: prompt + the document's last tokens + question = B tokens
   (a fresh cache, nothing evicted before the question; `window` B during the few generated tokens);
 - full (optional, reference): no eviction, only where the document fits in the model's context.
@@ -14,11 +15,15 @@ Variants, all with the same budget of B KV entries per layer and KV head:
 Cost saving: the cells of one (variant, trial) share reads: the filler is read once; at each needle position a copy of
 the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
 cell's chunks are `chunk` tokens counted from the filler's start and from its needle, cut short at branch points; for
-sink and window chunking does not change the numbers (banded mask), for h2o it moves eviction decisions slightly.
+sink and window chunking does not change the numbers (banded mask), for the others it moves eviction decisions
+slightly.
 The prompt is summarize's (`h2o_stream.apps.summarize.build_prompt`): chat template, document in the user turn,
 question last. Reading is the engine's `feed`; answering is `h2o_stream.generation.generate` (greedy).
 
-    # the committed run (trial 1 was skipped: one trial took 20 min on one core of a shared 2-core machine)
+    # every policy, 3 trials per cell, documents of 4x-16x the cache (the committed needle_policies run)
+    python eval/needle.py --policies h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,truncation \
+        --lengths 1024,2048,4096 --trials 3 --out eval/results/needle_policies
+    # the earlier run (needle.json: 1 trial, to 64x, with the full cache as a reference)
     python eval/needle.py --policies h2o,sink,truncation,full --trials 2 --threads 1 --budget-minutes 20
     python eval/needle.py --lengths 1024 --depths 0,1 --trials 1 --policies h2o,truncation --no-write   # smoke test
 """
@@ -38,6 +43,7 @@ import torch
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.apps.summarize import build_prompt, encode
+from h2o_stream.engine import POLICIES, default_chunk_size
 from h2o_stream.engine.feed import feed
 from h2o_stream.files import atomic_path, write_json
 from h2o_stream.generation import Sampling, generate, stop_token_ids
@@ -47,7 +53,7 @@ RESULTS = Path(__file__).parent / "results"
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey?"
 PRIMER = "The secret passkey is"
-STREAMED = ("h2o", "sink", "window", "full")
+STREAMED = tuple(POLICIES)
 VARIANTS = STREAMED + ("truncation",)
 
 
@@ -55,11 +61,12 @@ def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model spec for load_model (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--cache-size", type=int, default=256)
-    parser.add_argument("--chunk-size", type=int, default=128)
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="tokens per forward (default: each policy's default_chunk_size; truncation: 128)")
     parser.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="filler lengths in tokens")
     parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 = start, 1 = end")
     parser.add_argument("--policies", default="h2o,sink,truncation", help=f"any of {','.join(VARIANTS)}")
-    parser.add_argument("--trials", type=int, default=2)
+    parser.add_argument("--trials", type=int, default=3)
     parser.add_argument("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes",
                         help="filler book per trial (titles, or parts of titles, from --data; cycled)")
     parser.add_argument("--seed", type=int, default=1919)
@@ -145,8 +152,8 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
     """All cells of one trial for a streamed variant, as a tree of shared reads: the filler is read once; at each
     needle position a branch (a copy of the cache) reads the needle and the filler after it; at each document end on
     that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
-    policy = make_policy(variant, None if variant == "full" else args.cache_size)
-    filler, chunk = trial["filler"], args.chunk_size
+    policy = make_policy(variant, None if variant == "full" else args.cache_size, tokenizer=tokenizer)
+    filler, chunk = trial["filler"], args.chunk_size or default_chunk_size(policy)
     context = model.config.max_position_embeddings
     out, runnable = [], []
     for cell in cells:
@@ -199,7 +206,7 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
         document = filler[:p] + needle_ids + filler[p:cut]
         tail = document[-keep:]
         cache = StreamingCache(model, policy)
-        logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size)
+        logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size or 128)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
         out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]), "needle_in_input": needle_seen,
@@ -250,11 +257,15 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
     import matplotlib.pyplot as plt
     import numpy as np
 
-    fig, axes = plt.subplots(1, len(variants), figsize=(3.3 * len(variants) + 1, 3.6), squeeze=False)
+    columns = min(len(variants), 5)
+    rows = -(-len(variants) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(3.3 * columns + 1, 3.6 * rows), squeeze=False)
+    for ax in axes.flat[len(variants):]:
+        ax.axis("off")
     cmap = plt.get_cmap("RdYlGn").copy()
     cmap.set_bad("#cccccc")
     image = None
-    for ax, variant in zip(axes[0], variants):
+    for ax, variant in zip(axes.flat, variants):
         grid = accuracy_grid(results, variant, lengths, depths)
         data = np.array([[np.nan if grid[(n, d)] is None else grid[(n, d)] for n in lengths] for d in depths])
         image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=1, aspect="auto")
@@ -267,8 +278,10 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
         ax.set_xlabel("document length (tokens, x cache)", fontsize=8)
         ax.set_title(variant, fontsize=10)
-    axes[0][0].set_ylabel("needle depth", fontsize=8)
-    fig.colorbar(image, ax=axes[0].tolist(), fraction=0.03, label="passkey accuracy")
+    for row in axes:
+        row[0].set_ylabel("needle depth", fontsize=8)
+    fig.subplots_adjust(hspace=0.45)
+    fig.colorbar(image, ax=axes.ravel().tolist(), fraction=0.03, label="passkey accuracy")
     fig.suptitle(title, fontsize=9)
     with atomic_path(path) as partial:
         fig.savefig(partial, dpi=130, bbox_inches="tight")
@@ -357,8 +370,9 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
                      "needle": NEEDLE, "question": QUESTION, "primer": PRIMER,
                      "prompt_tokens": {"prefix": len(prompt.prefix), "suffix": len(prompt.suffix)},
                      "chat_template": prompt.chat, "scoring": "first number in the answer == passkey",
-                     "chunking": "chunk_size tokens counted from the filler start and from each needle, cut short "
-                                 "at shared branch points (needle positions, document ends)"},
+                     "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) counted "
+                                 "from the filler start and from each needle, cut short at shared branch points "
+                                 "(needle positions, document ends)"},
         "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
         "data": describe_source(args.data),
         "versions": versions(model_name),
