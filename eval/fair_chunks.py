@@ -64,12 +64,13 @@ def gaps(exact_dir: Path, chunked_dir: Path) -> dict[str, dict]:
 
 @torch.no_grad()
 def time_chunks(model, cache, stream: torch.Tensor, chunk: int, keep: int | None) -> float:
-    """Seconds per token over the chunks of `stream`; a raw DynamicCache is cropped back to `keep` entries."""
+    """Seconds per token over the chunks of `stream`; a raw DynamicCache (`keep` not None) drops each chunk again."""
     started = time.perf_counter()
     for start in range(0, stream.numel(), chunk):
-        model(stream[start:start + chunk].unsqueeze(0), cache=cache)
+        piece = stream[start:start + chunk]
+        model(piece.unsqueeze(0), cache=cache)
         if keep is not None:
-            cache.crop(keep)
+            cache.crop(-piece.numel())
     return (time.perf_counter() - started) / stream.numel()
 
 
@@ -91,7 +92,7 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
             for start in range(0, cache_size, chunk):
                 model(prefix[start:start + chunk].unsqueeze(0), cache=cache)
             if keep is not None:
-                cache.crop(keep)
+                cache.crop(keep - cache_size)  # negative: drop the newest cache_size - keep entries
     per_token = {name: [] for name in contenders}
     for r in range(rounds):
         block = timed[r * round_tokens:(r + 1) * round_tokens]

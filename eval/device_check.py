@@ -1,0 +1,162 @@
+"""Accelerator check in one go (under 10 minutes): correctness of every policy on the device, then timings.
+
+The device machine reaches no network, so the default model cannot be fetched there; this script needs no files:
+1. correctness: a tiny random llama (MHA and GQA) streams 96 tokens through every registered policy on the device,
+   exact and fair chunked, in float32, bfloat16 and float16; float32 logits must match the same run on the CPU
+   (1e-3) with the same kept entries in every layer and head; in every dtype the scores stay float64 (float32 on MPS)
+   and no logit is NaN;
+2. timings: a random model of SmolLM2-135M's exact shape (speed does not depend on the weights' values) on the
+   device: tokens/s of fair chunked streaming (h2o, sink; cache 256, each policy's default chunk) against the model's
+   raw chunked forward doing the same work, and of exact mode against the raw decode step, per dtype.
+
+    python eval/device_check.py --device cuda --out $OUT/device_check.json     # on the device machine
+    python eval/device_check.py --device cpu --timed-tokens 256 --out /tmp/device_check.json   # a dry run here
+"""
+
+from __future__ import annotations
+
+import time
+
+import click
+import torch
+import transformers
+from common import environment, write_json
+from transformers import DynamicCache
+
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine import POLICIES, default_chunk_size
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+#: SmolLM2-135M-Instruct's shape (its config.json)
+SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
+               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=101,
+            max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+
+
+def random_llama(shape: dict, device, dtype, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(**{**shape, **overrides}, initializer_range=0.2)
+    return transformers.LlamaForCausalLM(config).eval().to(device=device, dtype=dtype)
+
+
+class TinyTokenizer:
+    """What sepllm asks of a tokenizer: its size, special ids and the text of each id (every third is a comma)."""
+
+    all_special_ids = [0, 1]
+
+    def __len__(self):
+        return TINY["vocab_size"]
+
+    def batch_decode(self, sequences, **kwargs):
+        return ["," if ids[0] % 3 == 0 else f"w{ids[0]}" for ids in sequences]
+
+
+@torch.no_grad()
+def stream(model, policy, ids: torch.Tensor, chunk: int):
+    cache = StreamingCache(model, policy)
+    logits = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0].float().cpu()
+                        for s in range(0, ids.shape[1], chunk)])
+    return logits, cache
+
+
+def correctness(device) -> list[dict]:
+    rows = []
+    ids = torch.randint(2, TINY["vocab_size"], (1, 96), generator=torch.Generator().manual_seed(1))
+    for kv_heads in (4, 2):
+        reference = random_llama(TINY, "cpu", torch.float32, num_key_value_heads=kv_heads)
+        for dtype_name, dtype in DTYPES.items():
+            model = random_llama(TINY, device, dtype, num_key_value_heads=kv_heads)
+            for name in POLICIES:
+                for chunk in (1, 4):
+                    policy = _policy(name)
+                    row = {"kv_heads": kv_heads, "dtype": dtype_name, "policy": name, "chunk": chunk}
+                    try:
+                        logits, cache = stream(model, policy, ids.to(device), chunk)
+                        scores = {str(layer.scores.dtype) for layer in cache.layers if layer.scores is not None}
+                        row.update(nan=bool(torch.isnan(logits).any()), score_dtypes=sorted(scores))
+                        if dtype is torch.float32:
+                            expected, cpu_cache = stream(reference, _policy(name), ids, chunk)
+                            row["max_logit_difference_vs_cpu"] = (logits - expected).abs().max().item()
+                            row["same_kept_entries_as_cpu"] = all(
+                                torch.equal(a.positions.cpu(), b.positions) for a, b in
+                                zip(cache.layers, cpu_cache.layers) if a.positions is not None)
+                        row["ok"] = not row["nan"] and row.get("max_logit_difference_vs_cpu", 0) < 1e-3 and \
+                            row.get("same_kept_entries_as_cpu", True) and \
+                            all(d in ("torch.float64", "torch.float32") for d in scores)
+                    except Exception as error:  # noqa: BLE001 - a check reports every failure and goes on
+                        row.update(ok=False, error=f"{type(error).__name__}: {error}")
+                    rows.append(row)
+                    print(row, flush=True)
+    return rows
+
+
+def _policy(name: str):
+    return make_policy(name, None if not POLICIES[name].parts else 16, tokenizer=TinyTokenizer())
+
+
+@torch.no_grad()
+def _tokens_per_second(step, tokens: int, per_call: int, sync) -> float:
+    step()  # warm up (kernels, allocator)
+    sync()
+    started = time.perf_counter()
+    for _ in range(max(1, tokens // per_call)):
+        step()
+    sync()
+    return max(1, tokens // per_call) * per_call / (time.perf_counter() - started)
+
+
+def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
+    model = random_llama(SMOLLM2, device, dtype)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    ids = torch.randint(0, SMOLLM2["vocab_size"], (1, cache_size + 4 * tokens), device=device)
+    position = {"at": cache_size}
+
+    def next_ids(count):
+        start = position["at"]
+        position["at"] = cache_size + (start - cache_size + count) % (3 * tokens)
+        return ids[:, start:start + count]
+
+    out = {}
+    for name in ("h2o", "sink"):
+        policy = make_policy(name, cache_size)
+        chunk = default_chunk_size(policy)
+        for mode, step_size in (("chunked", chunk), ("exact", 1)):
+            cache = StreamingCache(model, policy)
+            for s in range(0, cache_size, chunk):
+                model(ids[:, s:s + chunk], cache=cache)
+            out[f"{name} {mode}"] = _tokens_per_second(lambda: model(next_ids(step_size), cache=cache),
+                                                       tokens if mode == "chunked" else tokens // 8, step_size, sync)
+            held = cache_size if policy.band() is not None or mode == "exact" else cache_size + 1 - chunk
+            raw = DynamicCache(config=model.config)
+            model(ids[:, :held], cache=raw)
+
+            def raw_step(raw=raw, step_size=step_size):
+                model(next_ids(step_size), cache=raw)
+                raw.crop(-step_size)
+            out[f"raw {held}+{step_size}"] = _tokens_per_second(
+                raw_step, tokens if mode == "chunked" else tokens // 8, step_size, sync)
+    return out
+
+
+@click.command()
+@click.option("--device", default="cuda", show_default=True)
+@click.option("--timed-tokens", default=8192, show_default=True, help="Tokens per timed chunked measurement.")
+@click.option("--out", default="eval/results/device_check.json", show_default=True)
+def main(device, timed_tokens, out):
+    started = time.perf_counter()
+    report = {"benchmark": "device check", "device": device, "environment": environment(),
+              "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else device}
+    report["correctness"] = checks = correctness(device)
+    report["correctness_ok"] = all(row["ok"] for row in checks)
+    report["timings_tokens_per_second"] = {name: timings(device, dtype, timed_tokens) for name, dtype in
+                                           DTYPES.items() if device != "cpu" or dtype is torch.float32}
+    report["seconds"] = time.perf_counter() - started
+    write_json(out, report)
+    print(f"correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok; timings: "
+          f"{report['timings_tokens_per_second']}; {report['seconds']:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
