@@ -37,6 +37,13 @@ checkpoint_option = click.option("--checkpoint-every", type=click.IntRange(min=1
                                  help="Tokens between checkpoints.")
 
 
+#: --workers, for the commands that run sweeps
+workers_option = click.option(
+    "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Run this many runs at once, each in its own process with its own model; --threads is per worker "
+         "(default: the cores shared out). Results equal running them one after another.")
+
+
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
     """--policy, --cache-size, one option per budget part and per setting of the registered policies, and
     --no-rolling.

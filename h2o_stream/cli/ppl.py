@@ -13,7 +13,7 @@ from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
-from .options import cache_options, checkpoint_option, command_argv, data_option, model_options
+from .options import cache_options, checkpoint_option, command_argv, data_option, model_options, workers_option
 
 
 @click.command()
@@ -38,8 +38,9 @@ from .options import cache_options, checkpoint_option, command_argv, data_option
 @checkpoint_option
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Tokens between points of the running-PPL curve.")
+@workers_option
 def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, wide_chunks,
-        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every):
+        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -60,26 +61,33 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
                   command=shlex.join(argv))
     results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
-                        model_spec=model_spec, dtype=dtype, device=device, threads=threads)
+                        workers=workers, model_spec=model_spec, dtype=dtype, device=device, threads=threads)
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
 
 
-def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], **loading) -> list[dict]:
+def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1, **loading) -> list[dict]:
     """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
-    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run) and run them; Ctrl-C / SIGTERM checkpoint, print the
-    command that resumes (`argv` with --resume) and exit."""
+    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them, in `workers` local
+    processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume)
+    and exit."""
+    from h2o_stream.apps.perplexity.workers import run_in_workers
     from h2o_stream.loading.models import load_model
 
     sweep.check()
+    note = lambda text: click.echo(text, err=True)  # noqa: E731
     with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
-        loaded = load_model(loading.pop("model_spec"), **loading)
+        loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
+                            threads=loading["threads"])
         sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:
+            if workers > 1:
+                sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
+                del loaded  # the workers load their own
+                return run_in_workers(sweep, loading, workers, note)
             with stop.catching():
-                return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop,
-                                 note=lambda text: click.echo(text, err=True))
+                return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
         except Interrupted as stopped:
             again = argv if "--resume" in argv else [*argv, "--resume"]
             click.echo(f"{stopped}. Continue with:\n  {shlex.join(again)}", err=True)

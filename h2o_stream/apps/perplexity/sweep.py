@@ -89,6 +89,32 @@ class Sweep:
     resume: bool = False
     command: str = ""  # recorded in every result
 
+    def check_runs(self, model, tokenizer, model_name: str):
+        """Check every run against the model, its files and the corpus (see `binding`) before any work; returns
+        (a maker of each run's PerplexityRun, each run's Plan)."""
+        out = Path(self.out)
+        out.mkdir(parents=True, exist_ok=True)
+        source = describe_source(self.data)
+        base = {"model": model_name, "model_weights": model_fingerprint(model),
+                "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type, "data": source,
+                "data_path": data_path(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
+
+        def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
+            return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
+                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
+                                 wide_chunks=self.wide_chunks)
+
+        plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
+        # without rolling, a stream longer than the model's positions fails up front (count one token past them)
+        fixed_positions = not self.rolling and not self.reset_per_book
+        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+        streamed = check_stream(self.pieces(tokenizer), plans, tokens=self.tokens, reset_per_book=self.reset_per_book,
+                                source=source, skip_tokens=self.skip_tokens,
+                                count_to=context + 1 if fixed_positions else 0)
+        if fixed_positions:
+            new_run(self.specs[0][1]).cache.check_fits(streamed)
+        return new_run, plans
+
     def check(self) -> None:
         """Fail before the model is loaded: results or reports in `out` without `resume`, or a corpus without books."""
         if self.tokens < 2:
@@ -115,26 +141,7 @@ class Sweep:
         every run in `out`. `note` receives one line per event worth telling a user (a run starts, resumes, runs out
         of corpus). With `stop`, a requested stop checkpoints after the current chunk and raises `Interrupted`."""
         out = Path(self.out)
-        out.mkdir(parents=True, exist_ok=True)
-        source = describe_source(self.data)
-        base = {"model": model_name, "model_weights": model_fingerprint(model),
-                "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type, "data": source,
-                "data_path": data_path(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
-
-        def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
-            return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
-                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
-                                 wide_chunks=self.wide_chunks)
-
-        plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
-        # without rolling, a stream longer than the model's positions fails up front (count one token past them)
-        fixed_positions = not self.rolling and not self.reset_per_book
-        context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-        streamed = check_stream(self.pieces(tokenizer), plans, tokens=self.tokens, reset_per_book=self.reset_per_book,
-                                source=source, skip_tokens=self.skip_tokens,
-                                count_to=context + 1 if fixed_positions else 0)
-        if fixed_positions:
-            new_run(self.specs[0][1]).cache.check_fits(streamed)
+        new_run, plans = self.check_runs(model, tokenizer, model_name)
         for (name, policy), start in zip(self.specs, plans):
             if stop is not None and stop.requested:
                 raise Interrupted(stop.signum, None, None)
@@ -155,11 +162,18 @@ class Sweep:
             if result["corpus_exhausted"]:
                 note(f"   the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
             write(out / f"{name}.json", lambda path: write_json(path, result))
-        results = results_in(out)
-        write(out / "ppl.png", lambda path: plot_curves(results, path, title_of(results)))
-        write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
-                                                                 for r in results]))
+        return write_reports(out)
+
+
+def write_reports(out: Path) -> list[dict]:
+    """ppl.png and summary.json over every run result in `out` (none while there is none); returns the results."""
+    results = results_in(out)
+    if not results:
         return results
+    write(out / "ppl.png", lambda path: plot_curves(results, path, title_of(results)))
+    write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
+                                                             for r in results]))
+    return results
 
 
 def finished(result_path: Path, tokens: int) -> bool:

@@ -1,0 +1,60 @@
+"""`--workers N`: a sweep's runs in local worker processes give the results of running them one after another, and a
+signal to the command checkpoints every worker's run so that --resume continues them exactly."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import signal
+import subprocess
+import sys
+
+from ppl_helpers import ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from test_ppl_faults import wait_for
+
+from h2o_stream.files import WRITE_DELAY_ENV
+
+RUNS = ["h2o-16", "sink-16", "tova-16", "h2o-24"]
+
+
+def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink,tova",
+            "--cache-size", "16,24", "--threads", 1]
+    run_to_end(ppl_command(*args, "--out", tmp_path / "alone"))
+    done = run_to_end(ppl_command(*args, "--out", tmp_path / "workers", "--workers", 3))
+    assert "runs on 3 workers, 1 thread(s) each" in done.stderr
+    names = sorted(p.stem for p in (tmp_path / "alone").glob("*-*.json"))
+    assert len(names) == 6 and names == sorted(p.stem for p in (tmp_path / "workers").glob("*-*.json"))
+    for name in names:
+        alone, spread = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("alone", "workers"))
+        assert spread["nll_sum"] == alone["nll_sum"] and spread["curve"] == alone["curve"]
+        assert spread["settings"] == alone["settings"]
+    summary = json.loads((tmp_path / "workers" / "summary.json").read_text())
+    assert len(summary) == 6  # the report covers every worker's runs
+
+
+def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_model_dir, tmp_path):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 3000, "--policy", "h2o,sink",
+            "--cache-size", "16,24", "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1]
+    run_to_end(ppl_command(*args, "--out", tmp_path / "whole"))
+    out = tmp_path / "out"
+    command = ppl_command(*args, "--out", out, "--workers", 2)
+    process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    runs = [out / f"{name}.ckpt" for name in ("h2o-16", "h2o-24", "sink-16", "sink-24")]
+    wait_for(lambda: sum(path.exists() for path in runs) >= 2, "both workers' first checkpoints", process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    lines = stderr.strip().splitlines()
+    assert lines[-2] == "interrupted by SIGINT: stopped between runs. Continue with:", stderr
+    assert sum("checkpointed at token" in line for line in lines) == 2, stderr  # each worker stopped in a run
+    assert not list(out.glob("*-*.json")), "a run finished before the signal"
+    printed = shlex.split(lines[-1])
+    assert printed[-1] == "--resume"
+    run_to_end([sys.executable, "-m", "h2o_stream", *printed[1:]])
+    for name in ("h2o-16", "sink-16", "h2o-24", "sink-24"):
+        whole, resumed = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("whole", "out"))
+        assert resumed["nll_sum"] == whole["nll_sum"] and resumed["curve"] == whole["curve"]
