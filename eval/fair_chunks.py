@@ -7,13 +7,10 @@
    chunk: B + 1 - C for a fair chunk, B for a band policy; C new tokens; cropped back after each chunk). Rounds
    alternate between contenders so that machine noise hits all alike (target: >= 0.85x).
 
-    DATA=/path/to/gutenberg_pre1919.jsonl
-    P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff
-    h2o-stream ppl --exact --data $DATA --tokens 20000 --policy $P --cache-size 256 --threads 1 \\
-        --out eval/results/fair_chunks/exact
-    h2o-stream ppl --data $DATA --tokens 20000 --policy $P --cache-size 256 --threads 1 \\
-        --out eval/results/fair_chunks/chunked
-    python eval/fair_chunks.py --data $DATA --threads 2 --out eval/results/fair_chunks.json
+The `ppl` runs it reads are in eval/run_benchmarks.sh: two exact-mode runs side by side into fair_chunks/exact and
+fair_chunks/exact-2, the chunked runs into fair_chunks/chunked; then
+
+    python eval/fair_chunks.py --data path/to/gutenberg_pre1919.jsonl --threads 2 --out eval/results/fair_chunks.json
 """
 
 from __future__ import annotations
@@ -45,9 +42,10 @@ def ppl_results(directory: Path) -> dict[str, dict]:
     return results
 
 
-def gaps(exact_dir: Path, chunked_dir: Path) -> dict[str, dict]:
+def gaps(exact_dirs: list[Path], chunked_dir: Path) -> dict[str, dict]:
     """Per policy found in both: exact and chunked PPL over the same tokens, the relative gap, the keys seen."""
-    exact, chunked = ppl_results(exact_dir), ppl_results(chunked_dir)
+    exact = {name: result for directory in exact_dirs for name, result in ppl_results(directory).items()}
+    chunked = ppl_results(chunked_dir)
     rows = {}
     for name in exact.keys() & chunked.keys():
         e, c = exact[name], chunked[name]
@@ -110,7 +108,8 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
 
 
 @click.command()
-@click.option("--exact-dir", default="eval/results/fair_chunks/exact", show_default=True, type=click.Path())
+@click.option("--exact-dir", "exact_dirs", multiple=True, type=click.Path(), show_default=True,
+              default=["eval/results/fair_chunks/exact", "eval/results/fair_chunks/exact-2"])
 @click.option("--chunked-dir", default="eval/results/fair_chunks/chunked", show_default=True, type=click.Path())
 @click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff", show_default=True)
 @click.option("--cache-size", default=256, show_default=True)
@@ -119,12 +118,12 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
 @data_option
 @click.option("--threads", default=2, show_default=True)
 @click.option("--out", default="eval/results/fair_chunks.json", show_default=True)
-def main(exact_dir, chunked_dir, policies, cache_size, rounds, round_tokens, data, threads, out):
+def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, data, threads, out):
     setup(threads)
     loaded = load_model(None)
     policies = policies.split(",")
     speed = throughput(loaded, policies, cache_size, data, rounds, round_tokens)
-    gap = gaps(Path(exact_dir), Path(chunked_dir))
+    gap = gaps([Path(d) for d in exact_dirs], Path(chunked_dir))
     report = {"benchmark": "fair chunked mode vs exact mode and vs the raw chunked forward",
               "model": loaded.name, "data": data, "cache_size": cache_size, "environment": environment(),
               "targets": {"abs_relative_gap": GAP_TARGET, "ratio_vs_raw_forward": SPEED_TARGET},

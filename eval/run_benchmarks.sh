@@ -22,10 +22,25 @@ python eval/bench_gap.py --data "$DATA" --threads 1 --streams 4 --stream-tokens 
 python eval/gap_vs_chunk.py --data "$DATA" --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
 python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --cache-size 193 --recent 128 --chunk-size 64 \
     --policies h2o --out eval/results/bench_ppl_span_matched.json
-# The long runs: h2o and sink as one-thread processes side by side (on 2 cores that beats one two-thread process),
-# checkpointed every 20k tokens; rerunning continues from the checkpoints exactly, a larger token count extends them.
+# Fair chunks vs exact mode, every policy (eval/results/fair_chunks.json): the exact runs take ~30 min per policy on
+# one core, so they go two at a time; then the chunked runs and the side-by-side throughput measurement.
+P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff
+GAP=(--data "$DATA" --tokens 20000 --cache-size 256 --threads 1 --resume)
+h2o-stream ppl --exact "${GAP[@]}" --policy tova,h2o,a2sf,window --out eval/results/fair_chunks/exact &
+h2o-stream ppl --exact "${GAP[@]}" --policy sepllm,sink,keydiff,h2o_sinks --out eval/results/fair_chunks/exact-2 &
+wait
+h2o-stream ppl "${GAP[@]}" --policy "$P" --out eval/results/fair_chunks/chunked
+python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
+# The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
+# Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
+# resumes from its checkpoint where this machine has one.
+h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/results/leaderboard
+# The long runs below were made before fair chunks (chunk 256 with the whole cache visible, i.e. --wide-chunks; the
+# 128 runs with a chunk wider than their cache, which ppl now refuses): the settings to reproduce them exactly.
+# h2o and sink as one-thread processes side by side, checkpointed every 20k tokens.
 # Committed: cache 256 to 1,048,576 tokens (LONG_256_TOKENS), cache 128 and 512 to 350,000 (LONG_OTHER_TOKENS).
-LONG=(--data "$DATA" --chunk-size 256 --threads 1 --checkpoint-every 20000 --out eval/results/pg19_long --resume)
+LONG=(--data "$DATA" --chunk-size 256 --wide-chunks --threads 1 --checkpoint-every 20000 --out eval/results/pg19_long
+      --resume)
 long_run() {  # cache size, policy, tokens: in the background
     OMP_WAIT_POLICY=PASSIVE h2o-stream ppl "${LONG[@]}" --cache-size "$1" --policy "$2" --tokens "$3" &
 }
