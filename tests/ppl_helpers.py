@@ -33,8 +33,13 @@ def write_corpus(path: Path, books: int = 3, text: str = TEXT) -> Path:
 
 def ppl(capsys, *args) -> tuple[int, str, str]:
     """`h2o-stream ppl ARGS` in-process: (exit status, stdout, stderr)."""
+    return command(capsys, "ppl", *args)
+
+
+def command(capsys, name: str, *args) -> tuple[int, str, str]:
+    """`h2o-stream NAME ARGS` in-process: (exit status, stdout, stderr)."""
     try:
-        main(["ppl", *map(str, args)])
+        main([name, *map(str, args)])
         code = 0
     except SystemExit as exit_:
         code = exit_.code

@@ -6,22 +6,15 @@ import json
 import math
 
 import pytest
-from ppl_helpers import ppl, ppl_model_dir, write_corpus  # noqa: F401  (fixture)
+from ppl_helpers import command, ppl, ppl_model_dir, write_corpus  # noqa: F401  (fixture)
 
 from h2o_stream.apps.perplexity.leaderboard import windowed
-from h2o_stream.cli import main
 
 POLICIES = "h2o,sink,tova,sepllm"
 
 
 def leaderboard(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main(["leaderboard", *map(str, args)])
-        code = 0
-    except SystemExit as exit_:
-        code = exit_.code
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+    return command(capsys, "leaderboard", *args)
 
 
 @pytest.fixture
