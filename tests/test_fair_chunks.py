@@ -126,9 +126,9 @@ def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
         spec.reduced(0)
 
 
-def test_default_chunk_size_is_a_quarter_of_the_budget_unless_a_band_makes_chunks_exact():
-    assert default_chunk_size(make_policy("h2o", 256)) == 64
-    assert default_chunk_size(make_policy("tova", 128)) == 32
-    assert default_chunk_size(make_policy("h2o", 3)) == 1
+def test_default_chunk_size_is_a_sixteenth_of_the_budget_unless_a_band_makes_chunks_exact():
+    assert default_chunk_size(make_policy("h2o", 256)) == 16
+    assert default_chunk_size(make_policy("tova", 512)) == 32
+    assert default_chunk_size(make_policy("h2o", 15)) == 1
     assert default_chunk_size(make_policy("sink", 128)) == 256
     assert default_chunk_size(make_policy("full")) == 256

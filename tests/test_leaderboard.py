@@ -41,7 +41,7 @@ def test_leaderboard_ranks_every_policy_at_every_size_against_sink_and_h2o(capsy
             assert row["vs_sink"] == pytest.approx(run["ppl"] / by_policy["sink"]["ppl"])
             assert row["vs_h2o"] == pytest.approx(run["ppl"] / by_policy["h2o"]["ppl"])
             assert row["max_keys_seen"] == int(size) + 1  # fair chunks, as exact mode
-            assert run["settings"]["chunk_size"] == (256 if row["policy"] == "sink" else int(size) // 4)
+            assert run["settings"]["chunk_size"] == (256 if row["policy"] == "sink" else int(size) // 16)
     table = (out / "leaderboard.md").read_text()
     assert table == stdout and table.count("\n") == 2 + 8
     assert (out / "ppl_vs_cache.png").stat().st_size > 0 and (out / "windowed_ppl.png").stat().st_size > 0

@@ -21,7 +21,7 @@ from .options import cache_options, checkpoint_option, command_argv, data_option
 @cache_options("h2o,sink", 256, multiple=True)
 @click.option("--chunk-size", type=int, default=None,
               help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
-                   "exact mode), a quarter of the cache size for the other policies.")
+                   "exact mode), a sixteenth of the cache size for the other policies.")
 @click.option("--exact", is_flag=True, help="Token-by-token reference mode (chunk size 1).")
 @click.option("--wide-chunks", is_flag=True,
               help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
