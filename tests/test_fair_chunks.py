@@ -132,3 +132,17 @@ def test_default_chunk_size_is_a_sixteenth_of_the_budget_unless_a_band_makes_chu
     assert default_chunk_size(make_policy("h2o", 15)) == 1
     assert default_chunk_size(make_policy("sink", 128)) == 256
     assert default_chunk_size(make_policy("full")) == 256
+
+
+def test_chat_and_summarize_read_prompts_in_wide_chunks(model, tokenizer):
+    """Generation reads a prompt as well as it can: every prompt token sees all the cache holds (a fair cut before a
+    chunk as wide as the cache would leave one entry to read from)."""
+    from h2o_stream.apps.chat import ChatSession
+    from h2o_stream.apps.summarize.reader import Reader
+
+    for cache in (ChatSession(model, tokenizer, policy=make_policy("h2o", 16)).cache,
+                  Reader(model, tokenizer, policy="h2o", cache_size=16, chunk_size=16).new_cache()):
+        ids = random_ids(48) % len(tokenizer)
+        for start in range(0, 48, 16):
+            model(ids[:, start:start + 16], cache=cache)
+        assert not cache.fair and cache.max_keys_seen == 32

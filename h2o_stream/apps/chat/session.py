@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 
-from h2o_stream.engine.cache import StreamingCache
 from h2o_stream.engine.feed import chunks, feed
 from h2o_stream.engine.policies import EvictionPolicy, make_policy
 from h2o_stream.errors import H2OStreamError
@@ -31,7 +30,7 @@ from h2o_stream.generation import Decoder, Generation, Sampling, stop_token_ids
 
 from . import session_file
 from .formats import ChatFormat, chat_format
-from .session_file import RECENT_MESSAGES, model_fingerprint
+from .session_file import RECENT_MESSAGES, model_fingerprint, new_cache
 from .stats import TurnResult, session_stats
 
 DEFAULT_CACHE_SIZE = 512
@@ -80,8 +79,8 @@ class ChatSession:
         self.sampling = sampling or chat_sampling()
         self.format: ChatFormat = chat_format(tokenizer, system)
         self.fingerprint = {**model_fingerprint(model), "name": self.model_name}
-        self.cache = StreamingCache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE),
-                                    rolling=rolling)
+        self.cache = new_cache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE),
+                               rolling)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         self._busy = False  # a turn is under way (its generator is suspended mid-reply)
         self._reset_counters()
@@ -255,7 +254,7 @@ class ChatSession:
     def reset(self) -> None:
         """Forget the conversation (the system prompt and settings stay; the next turn starts a new chat)."""
         self._check_idle("reset the session")
-        self.cache = StreamingCache(self.model, self.cache.policy, rolling=self.cache.rolling)
+        self.cache = new_cache(self.model, self.cache.policy, self.cache.rolling)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         self._reset_counters()
 

@@ -128,7 +128,7 @@ def load(session, path: str | os.PathLike) -> Resumed:
         fmt = session.format if system == session.system else chat_format(session.tokenizer, system)
         if fmt.fingerprint() != session.format.fingerprint():
             raise ValueError("the chat format changed")
-        cache = StreamingCache(session.model, policy, rolling=rolling)
+        cache = new_cache(session.model, policy, rolling)
         check_cache_state(state["cache"], cache, session.model)
         cache.load_state(to_device(state["cache"], session.model.device))
         generator = torch.Generator()
@@ -211,6 +211,12 @@ def policy_from_settings(settings: dict) -> EvictionPolicy:
     """The policy whose `settings()` these are."""
     settings = dict(settings)
     return policy_class(settings.pop("policy"))(**settings)
+
+
+def new_cache(model, policy: EvictionPolicy, rolling: bool) -> StreamingCache:
+    """A chat's cache. Prompts go in wide chunks: each prompt token sees all the cache holds (fair chunks, which cut
+    before a chunk so that no query sees more than budget + 1 keys, exist to compare policies' perplexity)."""
+    return StreamingCache(model, policy, rolling=rolling, wide_chunks=True)
 
 
 def check_cache_state(state: dict, cache: StreamingCache, model) -> None:

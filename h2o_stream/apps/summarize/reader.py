@@ -59,8 +59,10 @@ class Reader:
         self.run = Counters()
 
     def new_cache(self) -> StreamingCache:
-        """A fresh cache with this reader's policy and rolling."""
-        return StreamingCache(self.model, self.policy, rolling=self.rolling)
+        """A fresh cache with this reader's policy and rolling. The document goes in wide chunks: each token sees all
+        the cache holds (fair chunks, which cut before a chunk so that no query sees more than budget + 1 keys, exist
+        to compare policies' perplexity; a chunk as large as the cache would leave almost nothing to read from)."""
+        return StreamingCache(self.model, self.policy, rolling=self.rolling, wide_chunks=True)
 
     def check_length(self, total: int, max_new_tokens: int) -> None:
         """The full policy (no eviction) is bounded by the model's context; refuse before any work."""
