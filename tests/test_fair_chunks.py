@@ -146,3 +146,13 @@ def test_chat_and_summarize_read_prompts_in_wide_chunks(model, tokenizer):
         for start in range(0, 48, 16):
             model(ids[:, start:start + 16], cache=cache)
         assert not cache.fair and cache.max_keys_seen == 32
+
+
+def test_a_policy_declares_its_share_of_the_budget_as_its_fair_chunk():
+    from h2o_stream.engine.policies.h2o import H2OPolicy
+
+    class Finer(H2OPolicy):  # not registered: only its declaration matters here
+        fair_chunk_share = 1 / 32
+
+    assert default_chunk_size(Finer(heavy=128, recent=128)) == 8
+    assert default_chunk_size(H2OPolicy(heavy=128, recent=128)) == 16

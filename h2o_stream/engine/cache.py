@@ -14,6 +14,7 @@ The per-layer storage and its invariants are in `layer.py`.
 
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch
@@ -32,13 +33,14 @@ BAND_CHUNK = 256
 
 def default_chunk_size(policy: EvictionPolicy) -> int:
     """Tokens per forward when a user gives none: 256 for band policies and the full cache (their chunked mode is
-    exact mode at any chunk size); a sixteenth of the budget for the others, whose fair chunks cut to
-    budget + 1 - C entries first: early queries of a chunk see up to C - 1 keys fewer than exact mode, so C stays
-    small against the budget. At cache 256 a quarter (C = 64) put tova 2.4% below and sepllm 2.4% above their
-    exact-mode PPL over 20k tokens; a sixteenth is measured in eval/results/fair_chunks.json."""
+    exact mode at any chunk size); the policy's `fair_chunk_share` of the budget for the others (a sixteenth unless
+    it says otherwise), whose fair chunks cut to budget + 1 - C entries first: early queries of a chunk see up to
+    C - 1 keys fewer than exact mode, and decisions are taken once per chunk, so C stays small against the budget.
+    At cache 256 a quarter (C = 64) put tova 2.4% below and sepllm 2.4% above their exact-mode PPL over 20k tokens;
+    the defaults are measured in eval/results/fair_chunks.json."""
     if policy.budget is None or policy.band() is not None:
         return BAND_CHUNK
-    return max(1, policy.budget // 16)
+    return max(1, math.floor(policy.budget * policy.fair_chunk_share))
 
 
 def _model_shape(config) -> tuple[int, int, int]:
