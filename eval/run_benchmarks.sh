@@ -23,13 +23,17 @@ python eval/gap_vs_chunk.py --data "$DATA" --exact-from eval/results/bench_gap.j
 python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --cache-size 193 --recent 128 --chunk-size 64 \
     --policies h2o --out eval/results/bench_ppl_span_matched.json
 # Fair chunks vs exact mode, every policy (eval/results/fair_chunks.json): the exact runs take ~30 min per policy on
-# one core, so they go two at a time; then the chunked runs and the side-by-side throughput measurement.
+# one core, so they go two at a time (sink and window need none: their chunked mode is exact mode, tested); then the
+# chunked runs at the default chunk (and at 64 and 8 for comparison), then the side-by-side throughput measurement.
 P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff
 GAP=(--data "$DATA" --tokens 20000 --cache-size 256 --threads 1 --resume)
-h2o-stream ppl --exact "${GAP[@]}" --policy tova,h2o,a2sf,window --out eval/results/fair_chunks/exact &
-h2o-stream ppl --exact "${GAP[@]}" --policy sepllm,sink,keydiff,h2o_sinks --out eval/results/fair_chunks/exact-2 &
+h2o-stream ppl --exact "${GAP[@]}" --policy tova,h2o,a2sf --out eval/results/fair_chunks/exact &
+h2o-stream ppl --exact "${GAP[@]}" --policy sepllm,keydiff,h2o_sinks --out eval/results/fair_chunks/exact-2 &
 wait
 h2o-stream ppl "${GAP[@]}" --policy "$P" --out eval/results/fair_chunks/chunked
+h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chunk-size 64 \
+    --out eval/results/fair_chunks/chunked-c64
+h2o-stream ppl "${GAP[@]}" --policy tova --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
 # Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
