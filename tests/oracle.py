@@ -130,9 +130,9 @@ class Oracle:
         First every head is cut to budget + 1 - C entries with the policy's rule at that smaller budget: every part
         but the sinks gives up its share of the C - 1 slots in proportion to its size (the largest remainders one
         more, ties to the part declared first), the sinks only if nothing else is left. Then the C
-        tokens run one by one with no cut in between (each query sees everything before it); the attention each
-        entry received is summed over the chunk's queries (tova: the last query's alone) and becomes its score once,
-        as one step of the policy's rule; then the cut to the budget.
+        tokens run one by one with no cut in between (each query sees everything before it), each query one step of
+        the policy's score rule (summed, or decayed then summed for a2sf; tova: the chunk's last query alone, as the
+        official code does for a prompt); then the cut to the budget.
         """
         assert self.policy_name not in self.BANDS
         kept = self.budget + 1 - len(tokens)
@@ -165,7 +165,8 @@ class Oracle:
         for heads in self.entries:
             for h in range(len(heads)):
                 for e in heads[h]:
-                    self.take_score(e, received[id(e)])
+                    if id(e) in received:
+                        self.take_score(e, received[id(e)])
                 heads[h] = self.cut(heads[h])
         return logits
 
@@ -212,12 +213,10 @@ class Oracle:
                     received = sum(probs[slot] for probs in probs_of) / len(probs_of)
                 else:
                     received = sum(probs_of[q][slot] for q in range(h * self.group, (h + 1) * self.group))
-                if self.received is None:
-                    self.take_score(e, received)
-                elif self.policy_name == "tova":
-                    self.received[id(e)] = received  # the chunk's last query counts alone
+                if self.received is None or self.policy_name != "tova":
+                    self.take_score(e, received)  # every query of a chunk is one step of the score rule
                 else:
-                    self.received[id(e)] = self.received.get(id(e), 0.0) + received
+                    self.received[id(e)] = received  # tova: the chunk's last query counts alone
 
     def take_score(self, e: Entry, received: float) -> None:
         """One step of the policy's score rule."""

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False):
+                       last_query=False, query_weights=None):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
-    (only the last one with `last_query`) and over the query heads that share its KV head: (batch, kv_heads, k_len).
+    (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
+    share its KV head: (batch, kv_heads, k_len).
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     """
@@ -30,7 +31,10 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
             mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))
+    if query_weights is not None and not last_query:
+        received = torch.einsum("bkgqn,q->bkn", probs, query_weights.to(probs.dtype))
+    else:
+        received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received

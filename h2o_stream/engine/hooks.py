@@ -39,8 +39,10 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
         output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
     elif not plain or sink_query is not None:
+        # exact mode (one query) needs no weights: every weight would be 1
+        weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
         output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
-                                              sinks, last_query=policy.score_queries == "last")
+                                              sinks, last_query=policy.score_queries == "last", query_weights=weights)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)

@@ -41,8 +41,12 @@ class A2SFPolicy(EvictionPolicy):
             raise H2OStreamError(f"alpha (the a2sf forgetting factor) must be a number in (0, 1], got {alpha!r}")
         self.alpha = float(alpha)
 
-    def update_scores(self, scores: torch.Tensor, received: torch.Tensor) -> None:
-        scores.mul_(self.alpha).add_(received)
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
+        scores.mul_(self.alpha ** steps).add_(received)  # `steps` decays, as many steps would
+
+    def query_weights(self, length: int) -> torch.Tensor | None:
+        # query i's attention is decayed by the length - 1 - i steps after it
+        return self.alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]

@@ -178,14 +178,21 @@ class EvictionPolicy(ABC):
             total += getattr(self, name)
         return total
 
-    def update_scores(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n).
 
         `received` is what `score_heads` and `score_queries` say (per KV head or the layer's mean, all of a chunk's
-        queries or the last); a new entry's score starts at 0. The default accumulates (H2O); a policy may decay
-        the old scores first (A2SF) or keep only the latest attention (TOVA). Called only with `needs_scores`.
+        queries, weighted by `query_weights`, or the last); a new entry's score starts at 0; `steps` is the number of
+        queries (tokens) in the forward. The default accumulates (H2O); a policy may decay the old scores first
+        (A2SF) or keep only the latest attention (TOVA). Called only with `needs_scores`.
         """
         scores += received
+
+    def query_weights(self, length: int) -> torch.Tensor | None:
+        """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). A
+        policy whose scores decay at every step weighs query i by the decay of the steps after it, so that a chunk
+        leaves the scores its steps would (A2SF: alpha ** (length - 1 - i))."""
+        return None
 
     @abstractmethod
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:

@@ -43,7 +43,7 @@ class TOVAPolicy(EvictionPolicy):
     def score_heads(self) -> str:
         return "kv" if self.per_head else "layer"
 
-    def update_scores(self, scores: torch.Tensor, received: torch.Tensor) -> None:
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
         scores.copy_(received)  # only the current query's attention counts
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
