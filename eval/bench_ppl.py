@@ -15,26 +15,15 @@
 from __future__ import annotations
 
 import statistics
-import time
 
 import click
 import torch
-from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
+from common import (corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup,
+                    time_chunks, write_json)
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.loading.models import load_model
-
-
-@torch.no_grad()
-def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> float:
-    """Seconds per token over the chunks of `stream`."""
-    started = time.perf_counter()
-    for start in range(0, stream.numel(), chunk):
-        model(stream[start:start + chunk].unsqueeze(0), cache=cache)
-        if crop:
-            cache.crop(-chunk)
-    return (time.perf_counter() - started) / stream.numel()
 
 
 @click.command()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import time
 
 import click
 import torch
@@ -43,6 +44,19 @@ def corpus_tokens(tokenizer, count: int, data: str) -> torch.Tensor:
     if len(ids) < count:
         raise click.ClickException(f"{data} holds {len(ids):,} tokens, fewer than the {count:,} this run needs")
     return torch.tensor(ids[:count])
+
+
+@torch.no_grad()
+def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> float:
+    """Seconds per token over the chunks of `stream`; with `crop` (a raw DynamicCache) each chunk is dropped again, so
+    that every chunk meets the same number of cached entries."""
+    started = time.perf_counter()
+    for start in range(0, stream.numel(), chunk):
+        piece = stream[start:start + chunk]
+        model(piece.unsqueeze(0), cache=cache)
+        if crop:
+            cache.crop(-piece.numel())
+    return (time.perf_counter() - started) / stream.numel()
 
 
 def new_figure(*subplots: int, size: tuple[float, float]):

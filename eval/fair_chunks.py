@@ -17,15 +17,16 @@ from __future__ import annotations
 
 import json
 import statistics
-import time
 from pathlib import Path
 
 import click
 import torch
-from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
+from common import (corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup,
+                    time_chunks, write_json)
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
+from h2o_stream.apps.perplexity.report import results_in
 from h2o_stream.engine import default_chunk_size
 from h2o_stream.loading.models import load_model
 
@@ -33,13 +34,8 @@ GAP_TARGET, SPEED_TARGET = 0.01, 0.85
 
 
 def ppl_results(directory: Path) -> dict[str, dict]:
-    """policy name -> its `h2o-stream ppl` result in `directory` (one JSON per run; summary.json is skipped)."""
-    results = {}
-    for path in sorted(directory.glob("*.json")):
-        if path.name != "summary.json":
-            result = json.loads(path.read_text())
-            results[result["settings"]["policy"]] = result
-    return results
+    """policy name -> its `h2o-stream ppl` result in `directory` (one run per policy there)."""
+    return {result["settings"]["policy"]: result for result in results_in(directory)}
 
 
 def gaps(exact_dirs: list[Path], chunked_dir: Path) -> dict[str, dict]:
@@ -60,31 +56,20 @@ def gaps(exact_dirs: list[Path], chunked_dir: Path) -> dict[str, dict]:
     return dict(sorted(rows.items()))
 
 
-@torch.no_grad()
-def time_chunks(model, cache, stream: torch.Tensor, chunk: int, keep: int | None) -> float:
-    """Seconds per token over the chunks of `stream`; a raw DynamicCache (`keep` not None) drops each chunk again."""
-    started = time.perf_counter()
-    for start in range(0, stream.numel(), chunk):
-        piece = stream[start:start + chunk]
-        model(piece.unsqueeze(0), cache=cache)
-        if keep is not None:
-            cache.crop(-piece.numel())
-    return (time.perf_counter() - started) / stream.numel()
-
-
 def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: int, round_tokens: int) -> dict:
     model = loaded.model
     stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * round_tokens, data)
     prefix, timed = stream[:cache_size], stream[cache_size:]
     contenders = {}  # name -> (cache, chunk, raw crop length or None)
+    raw_of = {}  # policy -> the raw contender doing its matrix work
     for name in policies:
         policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
         chunk = default_chunk_size(policy)
         contenders[name] = (StreamingCache(model, policy), chunk, None)
         held = cache_size if policy.band() is not None else cache_size + 1 - chunk
-        raw = f"raw {held}+{chunk}"
-        if raw not in contenders:
-            contenders[raw] = (DynamicCache(config=model.config), chunk, held)
+        raw_of[name] = f"raw {held}+{chunk}"
+        if raw_of[name] not in contenders:
+            contenders[raw_of[name]] = (DynamicCache(config=model.config), chunk, held)
     with torch.no_grad():
         for cache, chunk, keep in contenders.values():
             for start in range(0, cache_size, chunk):
@@ -95,13 +80,11 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
     for r in range(rounds):
         block = timed[r * round_tokens:(r + 1) * round_tokens]
         for name, (cache, chunk, keep) in contenders.items():
-            per_token[name].append(time_chunks(model, cache, block, chunk, keep))
+            per_token[name].append(time_chunks(model, cache, block, chunk, crop=keep is not None))
     speed = {name: 1 / statistics.median(v) for name, v in per_token.items()}
     rows = {}
     for name in policies:
-        cache, chunk, _ = contenders[name]
-        held = cache_size if cache.policy.band() is not None else cache_size + 1 - chunk
-        raw = f"raw {held}+{chunk}"
+        chunk, raw = contenders[name][1], raw_of[name]
         rows[name] = {"chunk_size": chunk, "tokens_per_second": speed[name], "raw_forward": raw,
                       "raw_tokens_per_second": speed[raw], "ratio_vs_raw_forward": speed[name] / speed[raw]}
     return rows

@@ -131,7 +131,8 @@ def test_tova_in_a_chunk_keeps_what_the_last_query_attends_to_most():
     cache = StreamingCache(model, make_policy("tova", 6))
     captured = []
     original = cache.layers[0].after_attention
-    cache.layers[0].after_attention = lambda received: (captured.append(received.clone()), original(received))
+    cache.layers[0].after_attention = lambda received, **kwargs: (captured.append(received.clone()),
+                                                                  original(received, **kwargs))
     model(ids, cache=cache)
     kept = cache.layers[0].positions[0, 0]
     expected = torch.sort(torch.sort(captured[0][0, 0], descending=True, stable=True).indices[:6]).values

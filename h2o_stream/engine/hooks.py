@@ -51,7 +51,7 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
         received = None
     elif policy.score_heads == "layer":
         received = layer_mean(received, query.shape[1])
-    layer.after_attention(received)
+    layer.after_attention(received, steps=query.shape[-2])
     return output, None
 
 

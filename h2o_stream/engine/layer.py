@@ -31,7 +31,6 @@ class StreamingLayer(CacheLayerMixin):
         self.seen = 0  # tokens this layer has been given
         self.evicted = 0  # entries cut, summed over heads
         self.max_keys = 0  # the most keys any query of this layer has seen
-        self.length = 0  # queries in the forward now running
         self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
         self._reduced: dict[int, EvictionPolicy] = {}  # the policy at smaller budgets, for fair chunks
 
@@ -69,18 +68,17 @@ class StreamingLayer(CacheLayerMixin):
             new_tokens = self.pending_tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
             self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
         self.seen += c
-        self.length = c  # queries in this forward (steps, for a policy whose scores decay per step)
         band = self.policy.band()
         visible = n + c if band is None else min(n + c, sum(band) + 1)  # the last query sees the most
         self.max_keys = max(self.max_keys, visible)
         keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
         return keys, self.values
 
-    def after_attention(self, received: torch.Tensor | None) -> None:
-        """Fold the attention each entry just received (batch, kv_heads, n) into the scores (the policy's
-        `update_scores`), then cut back to the budget."""
+    def after_attention(self, received: torch.Tensor | None, steps: int = 1) -> None:
+        """Fold the attention each entry just received (batch, kv_heads, n) from the forward's `steps` queries into
+        the scores (the policy's `update_scores`), then cut back to the budget."""
         if received is not None:
-            self.policy.update_scores(self.scores, received, steps=self.length)
+            self.policy.update_scores(self.scores, received, steps=steps)
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return

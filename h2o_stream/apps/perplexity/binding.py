@@ -47,11 +47,13 @@ def data_path(source: str | os.PathLike | None) -> str | None:
 @dataclass
 class Plan:
     """What a run of the sweep starts from: its checkpoint position (0: from the start) and that checkpoint's digest
-    of the tokens it fed."""
+    of the tokens it fed; `done` when its result file already covers the tokens asked for (it fed that many, or the
+    corpus ran out first), so that it needs no checkpoint to be resumed, e.g. on another machine."""
 
     name: str
     position: int = 0
     stream_digest: str | None = None
+    done: bool = False
 
 
 def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) -> Plan:
@@ -69,6 +71,7 @@ def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) ->
         try:
             previous = json.loads(result_path.read_text())
             settings, fed = previous["settings"], int(previous["tokens_fed"])
+            exhausted = bool(previous.get("corpus_exhausted"))
         except (OSError, ValueError, KeyError, TypeError):
             raise H2OStreamError(f"{result_path} is not a readable result of h2o-stream ppl; move it away or choose "
                                  "another --out") from None
@@ -78,6 +81,7 @@ def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) ->
                                  "choose another --out")
         if fed > have:
             have, where = fed, "a result of"
+        found.done = fed >= tokens or exhausted
     if tokens < have:
         raise H2OStreamError(f"{out} already holds {where} {have:,} tokens for {name}; --tokens {tokens:,} would "
                              f"replace it with a shorter run. Pass --tokens {have} or more to keep or extend it, or "

@@ -12,7 +12,6 @@ result files, the corpus against its checkpoint: `binding`), so a bad one fails 
 from __future__ import annotations
 
 import errno
-import json
 import platform
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -145,7 +144,7 @@ class Sweep:
         for (name, policy), start in zip(self.specs, plans):
             if stop is not None and stop.requested:
                 raise Interrupted(stop.signum, None, None)
-            if self.resume and finished(out / f"{name}.json", self.tokens):
+            if self.resume and start.done:
                 note(f"== {name}: already done (its result file covers --tokens {self.tokens:,}); kept as it is")
                 continue
             run = new_run(policy)
@@ -174,15 +173,6 @@ def write_reports(out: Path) -> list[dict]:
     write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
                                                              for r in results]))
     return results
-
-
-def finished(result_path: Path, tokens: int) -> bool:
-    """Whether the result at `result_path` (checked against the run by `plan`) already covers `tokens`: it fed that
-    many, or the corpus ran out first. Such a run needs no checkpoint to be resumed, e.g. on another machine."""
-    if not result_path.exists():
-        return False
-    result = json.loads(result_path.read_text())
-    return result["tokens_fed"] >= tokens or bool(result.get("corpus_exhausted"))
 
 
 def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, checkpoint_every: int,
