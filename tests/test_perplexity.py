@@ -75,11 +75,12 @@ def test_books_are_concatenated_or_reset():
 
 
 @pytest.mark.parametrize("reset_per_book", [False, True])
-def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book):
+@pytest.mark.parametrize("span", [16, None], ids=["one-forward-per-chunk", "scanned"])
+def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book, span):
     model, tokenizer = tiny_model("llama", init_std=0.2), char_tokenizer()
     books = [TEXT[:700], TEXT[:333], TEXT[:900]]
     pieces = lambda: token_pieces(books, tokenizer)  # noqa: E731
-    make = lambda: PerplexityRun(model, make_policy("h2o", 24), chunk_size=16,  # noqa: E731
+    make = lambda: PerplexityRun(model, make_policy("h2o", 24), chunk_size=16, span=span,  # noqa: E731
                                  reset_per_book=reset_per_book, curve_every=100)
     whole = make()
     whole.run(pieces())
@@ -88,14 +89,14 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book):
     def checkpoint_then_die(run):
         run.save(tmp_path / "c.ckpt")
         saved.append(run.position)
-        if len(saved) == 70:  # mid-stream, in the third book
+        if run.position > 1100:  # mid-stream, in the third book
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
         first.run(pieces(), checkpoint=checkpoint_then_die)
     resumed = make()
     resumed.load(tmp_path / "c.ckpt")
-    assert resumed.position == saved[-1] > 1035
+    assert resumed.position == saved[-1] > 1100 and saved[-1] < whole.position - 100
     resumed.run(pieces())
     assert resumed.nll_sum.item() == whole.nll_sum.item()
     assert resumed.predicted == whole.predicted and resumed.curve == whole.curve
@@ -222,6 +223,9 @@ def test_directory_without_usable_files(model_dir, tmp_path, capsys):
     (["--policy", "lru"], "unknown policy"),
     (["--sinks", -1, "--policy", "sink"], "sinks"),
     (["--chunk-size", 0], "chunk"),
+    (["--chunk-size", 8, "--span", 12], "--span must be a positive multiple of the chunk size (8)"),
+    (["--span", 0], "--span must be a positive multiple"),
+    (["--policy", "h2o", "--cache-size", 64, "--span", 6], "must be a multiple of the chunk size 4, got 6"),
     (["--model", "/no/such/model"], "not found"),
 ])
 def test_bad_options(model_dir, corpus, tmp_path, capsys, args, message):

@@ -22,7 +22,12 @@ from .options import cache_options, checkpoint_option, command_argv, data_option
 @click.option("--chunk-size", type=int, default=None,
               help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
                    "exact mode), a sixteenth of the cache size for the other policies.")
-@click.option("--exact", is_flag=True, help="Token-by-token reference mode (chunk size 1).")
+@click.option("--exact", is_flag=True,
+              help="Token-by-token reference mode (chunk size 1: the cache decides after every token).")
+@click.option("--span", type=int, default=None,
+              help="Tokens per model forward, a multiple of the chunk size; the cache still decides every chunk, "
+                   "inside each layer, so results are the same as one forward per chunk (speed only). Default: the "
+                   "largest multiple of the chunk size up to 256.")
 @click.option("--wide-chunks", is_flag=True,
               help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
                    "chunk size keys). By default no query sees more than cache size + 1 keys, as in exact mode.")
@@ -39,7 +44,7 @@ from .options import cache_options, checkpoint_option, command_argv, data_option
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Tokens between points of the running-PPL curve.")
 @workers_option
-def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, wide_chunks,
+def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, span, wide_chunks,
         tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
@@ -54,9 +59,12 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
         chunk_size = 1
     if chunk_size is not None and chunk_size < 1:
         raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
+    if span is not None and (span < 1 or (chunk_size is not None and span % chunk_size)):
+        raise H2OStreamError(f"--span must be a positive multiple of the chunk size ({chunk_size or 'per policy'}), "
+                             f"got {span}")
     argv = command_argv()
     # every run that needs no tokenizer is built (and so checked) before the model loads; the rest once it has
-    sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size,
+    sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size, span=span,
                   rolling=not no_rolling, wide_chunks=wide_chunks, reset_per_book=reset_per_book,
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
                   command=shlex.join(argv))

@@ -9,6 +9,13 @@ policies (sink, window) get exactly exact mode's keys through a banded mask; eve
 to budget + 1 - C entries with its own choice at that smaller budget (`EvictionPolicy.reduced`), so that the chunk's
 last query sees budget + 1. `wide_chunks=True` skips that cut (queries then see up to budget + C keys).
 
+With `decide_every=k`, a forward wider than k tokens is scanned: the model's projections and MLPs run over the whole
+forward at once, and inside each layer the attention function takes the forward k tokens at a time (blocks at
+multiples of k of the tokens the cache has seen), appending, attending, scoring and cutting per block exactly as
+separate forwards of those blocks would. Results equal feeding the blocks one forward each (up to float rounding of
+the wider matrix products); `decide_every=1` is exact mode. The position of every token is known before the forward
+runs, because how many entries each block finds depends only on the block sizes.
+
 The per-layer storage and its invariants are in `layer.py`.
 """
 
@@ -85,7 +92,8 @@ class StreamingCache(Cache):
     model and one batch of unpadded streams; anything else is refused before the model runs (see `begin_forward`).
     """
 
-    def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True, wide_chunks: bool = False):
+    def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True, wide_chunks: bool = False,
+                 decide_every: int | None = None):
         config = model.config.get_text_config(decoder=True)
         roller = RopeRoller.for_model(model) if rolling else None
         budget = policy.budget
@@ -104,6 +112,12 @@ class StreamingCache(Cache):
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
         self.fair = not wide_chunks and policy.band() is None and budget is not None
         self.context = context
+        if decide_every is not None and decide_every < 1:
+            raise H2OStreamError(f"decide_every must be at least 1 token, got {decide_every}")
+        # only policies that decide once per forward need the scan: band policies are exact at any forward width
+        self.decide_every = decide_every if policy.band() is None and budget is not None else None
+        if self.decide_every is not None:
+            self.check_chunk_size(self.decide_every)
         attach(model)
         # The model it was made for (its rotary tables and shapes are baked in); weak, so the cache never keeps it.
         self._model = weakref.ref(model.base_model)
@@ -184,21 +198,52 @@ class StreamingCache(Cache):
         self._check_batch(batch)
         _check_attention_mask(attention_mask)
         self._check_positions(position_ids, length)
-        if self.slots:  # a prompt into an empty cache may be wider (model.generate prefills it in one forward)
+        blocks = self.blocks(length)
+        if self.slots and blocks is None:  # a prompt into an empty cache may be wider (generate prefills it at once)
             self.check_chunk_size(length)
         self.check_fits(length)
         if self.policy.needs_tokens:
             self._pass_tokens(inputs)
-        if self.fair and self.slots:
+        if self.fair and self.slots and blocks is None:
             for layer in self.layers:
                 layer.make_room(length)
+        for layer in self.layers:
+            layer.scan, layer.scan_fair = blocks, self.fair
+        slots = self._block_slots(blocks) if blocks is not None and self.rolling else None
         start = self.slots if self.rolling else self.seen
-        if self.rolling and self.context is not None and start + length > self.context:
+        last = start + length - 1 if slots is None else slots[-1]
+        if self.rolling and self.context is not None and last >= self.context:
             raise H2OStreamError(
                 f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
-                f"{start + length - 1}, beyond the model's context of {self.context}; use a smaller chunk or cache")
-        positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
+                f"{last}, beyond the model's context of {self.context}; use a smaller chunk or cache")
+        if slots is None:
+            positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
+        else:
+            positions = torch.tensor(slots, device=inputs.device).unsqueeze(0)
         return positions, self.band_mask(length, inputs.device)
+
+    def blocks(self, length: int) -> list[int] | None:
+        """The block sizes a forward of `length` tokens is scanned in (see the module docstring), or None when it is
+        one decision: blocks end at multiples of `decide_every` of the tokens seen, and at the forward's end."""
+        step = self.decide_every
+        if step is None or length <= 1:
+            return None
+        sizes, done = [], 0
+        while done < length:
+            sizes.append(min(step - (self.seen + done) % step, length - done))
+            done += sizes[-1]
+        return sizes if len(sizes) > 1 else None
+
+    def _block_slots(self, blocks: list[int]) -> list[int]:
+        """With rolling: the slot of every token of a scanned forward. Each block finds n entries (after the fair
+        cut to budget + 1 - C, if any), takes slots n..n+C-1, and its cut leaves min(n + C, budget)."""
+        budget, n, slots = self.policy.budget, self.slots, []
+        for size in blocks:
+            if self.fair and n:
+                n = min(n, budget + 1 - size)
+            slots.extend(range(n, n + size))
+            n = min(n + size, budget)
+        return slots
 
     def _pass_tokens(self, inputs: torch.Tensor) -> None:
         """Hand the forward's token ids to every layer (for a policy that reads them); embeddings are refused."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from contextvars import ContextVar
 
+import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -31,18 +32,28 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
                                       **kwargs)
     layer = cache.layers[module.layer_idx]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    softcap = kwargs.get("softcap")
+    if layer.scan is not None:
+        return _scan(layer, query, scaling, softcap), None
     mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
-    policy = layer.policy
-    plain = not policy.needs_scores and kwargs.get("softcap") is None
+    plain = not layer.policy.needs_scores and softcap is None
     if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
-        output, received = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks), None
-    elif not plain or sink_query is not None:
+        output = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks)
+        layer.after_attention(None, steps=query.shape[-2])
+        return output, None
+    return _attend(layer, query, key, value, mask, scaling, softcap, sink_query, sinks), None
+
+
+def _attend(layer, query, key, value, mask, scaling, softcap, sink_query=None, sinks=0):
+    """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention)."""
+    policy = layer.policy
+    if policy.needs_scores or softcap is not None or sink_query is not None:
         # exact mode (one query) needs no weights: every weight would be 1
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
-        output, received = attend_with_scores(query, key, value, mask, scaling, kwargs.get("softcap"), sink_query,
-                                              sinks, last_query=policy.score_queries == "last", query_weights=weights)
+        output, received = attend_with_scores(query, key, value, mask, scaling, softcap, sink_query, sinks,
+                                              last_query=policy.score_queries == "last", query_weights=weights)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
@@ -52,7 +63,22 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     elif policy.score_heads == "layer":
         received = layer_mean(received, query.shape[1])
     layer.after_attention(received, steps=query.shape[-2])
-    return output, None
+    return output
+
+
+def _scan(layer, query, scaling, softcap):
+    """A scanned forward (`StreamingCache(decide_every=...)`): the queries block by block, each block's entries
+    appended after the previous block's cut, as if every block were its own forward."""
+    outputs, start = [], 0
+    try:
+        for length in layer.scan:
+            key, value = layer.open_block(start, length)
+            mask = _full_mask(None, length, key.shape[-2], query.device)
+            outputs.append(_attend(layer, query[..., start:start + length, :], key, value, mask, scaling, softcap))
+            start += length
+    finally:
+        layer.close_scan()
+    return torch.cat(outputs, dim=1)
 
 
 def _before_forward(module, args, kwargs):

@@ -4,7 +4,9 @@ Invariants:
 - keys/values/positions/scores (and tokens, for a policy that reads them) share the slot axis; slots are in ascending
   stream order for every head;
 - with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
-- without rolling, `keys` stay as the model rotated them, at their true stream positions.
+- without rolling, `keys` stay as the model rotated them, at their true stream positions;
+- during a scanned forward (`scan` set), `update` only holds the forward's new entries; `open_block` appends them one
+  block at a time, each block after the previous one's cut, exactly as if each block were its own forward.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ class StreamingLayer(CacheLayerMixin):
         self.max_keys = 0  # the most keys any query of this layer has seen
         self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
         self._reduced: dict[int, EvictionPolicy] = {}  # the policy at smaller budgets, for fair chunks
+        self.scan: list[int] | None = None  # block sizes of the forward now running, when it decides per block
+        self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
+        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -52,9 +57,31 @@ class StreamingLayer(CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[-2]
 
     def update(self, key_states, value_states, *args, **kwargs):
-        """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use."""
+        """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use.
+
+        In a scanned forward the entries are only held here; the attention function appends them block by block
+        (`open_block`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.scan is not None:
+            self._incoming = (key_states, value_states)
+            return key_states, value_states
+        return self._append(key_states, value_states, self.pending_tokens)
+
+    def open_block(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a scanned forward: make room for the block of `length` entries at `start` of the forward (fair chunks),
+        append it and return the keys and values its queries attend to."""
+        if self.scan_fair and self.slots:
+            self.make_room(length)
+        keys, values = self._incoming
+        tokens = None if self.pending_tokens is None else self.pending_tokens[:, start:start + length]
+        block = slice(start, start + length)
+        return self._append(keys[..., block, :], values[..., block, :], tokens)
+
+    def close_scan(self) -> None:
+        self._incoming = None
+
+    def _append(self, key_states, value_states, tokens):
         n, c = self.slots, key_states.shape[-2]
         if self.roller is not None:
             key_states = self.roller.unrotate(key_states, n, n + c)
@@ -65,7 +92,7 @@ class StreamingLayer(CacheLayerMixin):
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
         self.scores = torch.nn.functional.pad(self.scores, (0, c))
         if self.tokens is not None:
-            new_tokens = self.pending_tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
+            new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
             self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
         self.seen += c
         band = self.policy.band()
@@ -141,7 +168,7 @@ class StreamingLayer(CacheLayerMixin):
         return -1 if budget is None else budget
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.tokens = None
+        self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 

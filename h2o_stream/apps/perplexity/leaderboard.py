@@ -35,7 +35,8 @@ def leaderboard(results: list[dict]) -> dict:
         for r in sorted(runs, key=lambda r: r["ppl"]):
             row = {"policy": r["settings"]["policy"], "ppl": r["ppl"], "tokens": r["predicted_tokens"],
                    "max_keys_seen": r.get("max_keys_seen"), "tokens_per_second": r["tokens_per_second"],
-                   "chunk_size": r["settings"]["chunk_size"], "wide_chunks": r["settings"].get("wide_chunks", True)}
+                   "chunk_size": r["settings"]["chunk_size"], "wide_chunks": r["settings"].get("wide_chunks", True),
+                   "span": r.get("span")}
             for name in BASELINES:
                 base = baselines.get(name)
                 same = base is not None and base["predicted_tokens"] == r["predicted_tokens"]
@@ -54,9 +55,15 @@ def markdown(board: dict) -> str:
             ratios = [f"{row[f'vs_{name}']:.3f}" if row[f"vs_{name}"] is not None else "—" for name in BASELINES]
             lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
                          f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
-                         f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''} | "
+                         f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''}{_span(row)} | "
                          f"{row['tokens_per_second']:.0f} | {row['tokens']:,} |")
     return "\n".join(lines) + "\n"
+
+
+def _span(row: dict) -> str:
+    """How the chunks were fed, when several rode in one forward (a scan: the same results, faster)."""
+    span = row.get("span")
+    return f" in {span}" if span and span != row["chunk_size"] else ""
 
 
 def windowed(curve: list[tuple[int, float]], windows: int = 25) -> list[tuple[int, float]]:

@@ -79,6 +79,7 @@ class Sweep:
     data: str | None  # a corpus source as loading.corpus reads it
     tokens: int  # stream tokens per run
     chunk_size: int | None = None  # None: each policy's default_chunk_size
+    span: int | None = None  # tokens per forward; None: each run's default_span (speed only, results are the same)
     rolling: bool = True
     wide_chunks: bool = False
     reset_per_book: bool = False
@@ -101,7 +102,7 @@ class Sweep:
         def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
             return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
                                  curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
-                                 wide_chunks=self.wide_chunks)
+                                 wide_chunks=self.wide_chunks, span=self.span)
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
@@ -148,7 +149,8 @@ class Sweep:
                 note(f"== {name}: already done (its result file covers --tokens {self.tokens:,}); kept as it is")
                 continue
             run = new_run(policy)
-            note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''}, "
+            note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
+                 f"in forwards of {run.span}, "
                  f"{'rolling' if self.rolling else 'no rolling'}")
             checkpoint_path = out / f"{name}.ckpt"
             if start.position:

@@ -1,0 +1,126 @@
+"""Scanned forwards (`StreamingCache(decide_every=k)`): one wide forward decides every k tokens inside each layer, and
+equals feeding those blocks one forward each (docs/design.md, "Scanned forwards")."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from oracle import stream_for
+from policy_matrix import BANDED, EVICTING, build
+from tiny_models import VOCAB, random_ids, tiny_model
+
+from h2o_stream import StreamingCache
+from h2o_stream.errors import H2OStreamError
+
+UNBANDED = [name for name in EVICTING if name not in BANDED]
+
+
+def _grid_pieces(seen: int, length: int, step: int) -> list[int]:
+    """The forwards a scan of `length` tokens stands for: cut at multiples of `step` of the tokens seen."""
+    sizes, done = [], 0
+    while done < length:
+        sizes.append(min(step - (seen + done) % step, length - done))
+        done += sizes[-1]
+    return sizes
+
+
+def _feed_both(policy, *, kv_heads, rolling, step, forward, wide_chunks=False, length=None):
+    """Feed one stream through a scanned cache (forwards of `forward` tokens) and through a plain cache (one forward
+    per block); yield both caches and logits after every wide forward."""
+    budget = 8
+    spec = build(policy, budget)
+    # float64, so that the only difference left (rounding of wider matrix products) is far below the tolerance
+    model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2).double()
+    scanned = StreamingCache(model, spec, rolling=rolling, wide_chunks=wide_chunks, decide_every=step)
+    plain = StreamingCache(model, spec, rolling=rolling, wide_chunks=wide_chunks)
+    ids = stream_for(spec, length or 10 * budget, seed=kv_heads + step, vocab=VOCAB)
+    for start in range(0, ids.shape[1], forward):
+        piece = ids[:, start:start + forward]
+        wide_logits = model(piece, cache=scanned).logits[0]
+        logits, offset = [], 0
+        for size in _grid_pieces(start, piece.shape[1], step):
+            logits.append(model(piece[:, offset:offset + size], cache=plain).logits[0])
+            offset += size
+        yield scanned, plain, wide_logits, torch.cat(logits)
+
+
+def _same_entries(scanned, plain):
+    for mine, theirs in zip(scanned.layers, plain.layers):
+        assert torch.equal(mine.positions, theirs.positions)
+        assert torch.allclose(mine.keys, theirs.keys, atol=1e-9)
+        assert torch.allclose(mine.scores, theirs.scores, atol=1e-9)
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+@pytest.mark.parametrize("kv_heads", [4, 1], ids=["mha", "mqa"])
+@pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
+def test_a_scan_equals_its_blocks_fed_one_forward_each(policy, kv_heads, rolling):
+    """Blocks of 3 in forwards of 7 (so blocks straddle forwards, as chunks straddle books in `ppl`): the logits of
+    every token and the kept entries, keys and scores of every layer after every forward, over 10x the budget."""
+    evicted = False
+    for scanned, plain, wide, blocks in _feed_both(policy, kv_heads=kv_heads, rolling=rolling, step=3, forward=7):
+        assert torch.allclose(wide, blocks, atol=1e-9, rtol=0)
+        _same_entries(scanned, plain)
+        evicted = evicted or scanned.evicted > 0
+    assert evicted and scanned.evicted == plain.evicted
+    assert scanned.max_keys_seen == plain.max_keys_seen == 9
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_a_scan_of_single_tokens_is_exact_mode(policy):
+    for scanned, plain, wide, tokens in _feed_both(policy, kv_heads=2, rolling=True, step=1, forward=16):
+        assert torch.allclose(wide, tokens, atol=1e-9, rtol=0)
+        _same_entries(scanned, plain)
+
+
+def test_a_scan_with_wide_chunks_equals_its_blocks():
+    for scanned, plain, wide, blocks in _feed_both("h2o", kv_heads=2, rolling=True, step=4, forward=12,
+                                                   wide_chunks=True):
+        assert torch.allclose(wide, blocks, atol=1e-9, rtol=0)
+        _same_entries(scanned, plain)
+    assert scanned.max_keys_seen == 8 + 4
+
+
+def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
+    """A scanned forward runs one attention per block; a band policy (exact at any width) runs one per forward."""
+    from h2o_stream.engine import hooks
+    calls = []
+    scan = hooks._scan
+    monkeypatch.setattr(hooks, "_scan", lambda layer, *a: calls.append(list(layer.scan)) or scan(layer, *a))
+    model = tiny_model("llama")
+    ids = random_ids(20)
+    model(ids, cache=StreamingCache(model, build("h2o", 8), decide_every=4))
+    assert calls and all(blocks == [4] * 5 for blocks in calls)
+    calls.clear()
+    model(ids, cache=StreamingCache(model, build("sink", 8), decide_every=4))
+    assert calls == []
+
+
+def test_decide_every_is_checked():
+    model = tiny_model("llama")
+    with pytest.raises(H2OStreamError, match="at least 1"):
+        StreamingCache(model, build("h2o", 8), decide_every=0)
+    with pytest.raises(H2OStreamError, match="chunk size of at most the cache size"):
+        StreamingCache(model, build("h2o", 8), decide_every=9)
+
+
+@pytest.mark.parametrize("reset_per_book", [False, True])
+def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_per_book):
+    """Books of odd lengths, so chunks straddle book ends (two forwards in the plain run, two blocks in the scan)."""
+    from tiny_models import char_tokenizer
+
+    from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+    model, tokenizer = tiny_model("llama", init_std=0.2).double(), char_tokenizer()
+    text = "The quick brown fox, it said; jumps over the lazy dog.\n" * 12
+    books = [text[:301], text[:77], text[:420]]
+    runs = {}
+    for span in (None, 8):
+        run = PerplexityRun(model, build("tova", 32), chunk_size=8, span=span, reset_per_book=reset_per_book,
+                            record_tokens=True)
+        run.run(token_pieces(books, tokenizer))
+        runs[run.span] = run
+    scanned, plain = runs[256], runs[8]
+    assert scanned.cache.decide_every == 8 and plain.cache.decide_every is None
+    assert torch.allclose(torch.cat(scanned.token_nll), torch.cat(plain.token_nll), atol=1e-9, rtol=0)
+    assert scanned.result().span == 256 and scanned.settings == plain.settings  # speed only: same settings
+    assert scanned.cache.evicted == plain.cache.evicted > 0
