@@ -4,9 +4,16 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import signal
+import subprocess
+import sys
 
 import pytest
-from ppl_helpers import command, ppl, ppl_model_dir, write_corpus  # noqa: F401  (fixture)
+from ppl_helpers import command, ppl, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from test_ppl_faults import wait_for
+
+from h2o_stream.files import WRITE_DELAY_ENV
 
 from h2o_stream.apps.perplexity.leaderboard import windowed
 
@@ -62,6 +69,23 @@ def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(cap
     assert {k: v for k, v in again.items() if k != "tova-32.json"} == \
         {k: v for k, v in results.items() if k != "tova-32.json"}
     assert json.loads(again["tova-32.json"])["nll_sum"] == json.loads(results["tova-32.json"])["nll_sum"]
+
+
+def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):  # noqa: F811
+    """The leaderboard always resumes, so the command it prints is the one given (it has no --resume option)."""
+    args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
+            "--cache-size", 16, "--tokens", 3000, "--checkpoint-every", 40, "--threads", 1, "--out", tmp_path / "b"]
+    given = [sys.executable, "-m", "h2o_stream", "leaderboard", *map(str, args)]
+    process = subprocess.Popen(given, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (tmp_path / "b" / "runs" / "h2o-16.ckpt").exists(), "the first checkpoint", process)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    printed = shlex.split(stderr.strip().splitlines()[-1])
+    assert printed[1:] == given[3:] and "--resume" not in printed
+    run_to_end([sys.executable, "-m", "h2o_stream", *printed[1:]])
+    assert json.loads((tmp_path / "b" / "runs" / "h2o-16.json").read_text())["tokens_fed"] == 3000
 
 
 def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, board_args):

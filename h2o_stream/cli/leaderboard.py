@@ -51,8 +51,8 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
             return [spec for size in cache_size for spec in run_specs(policy, [size], parts, tokenizer=tokenizer)]
         sweep = Sweep(specs(), runs, data, tokens, rolling=not no_rolling, checkpoint_every=checkpoint_every,
                       resume=True, command=shlex.join(argv))
-        run_sweep(sweep, specs, argv, workers=workers, model_spec=model_spec, dtype=dtype, device=device,
-                  threads=threads)
+        run_sweep(sweep, specs, argv, workers=workers, resumes_as_given=True, model_spec=model_spec, dtype=dtype,
+                  device=device, threads=threads)
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)

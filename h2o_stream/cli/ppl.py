@@ -74,11 +74,12 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
 
 
-def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1, **loading) -> list[dict]:
+def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1,
+              resumes_as_given: bool = False, **loading) -> list[dict]:
     """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
     tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them, in `workers` local
-    processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume)
-    and exit."""
+    processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume,
+    or as given for a command that always resumes: `resumes_as_given`) and exit."""
     from h2o_stream.apps.perplexity.workers import run_in_workers
     from h2o_stream.loading.models import load_model
 
@@ -97,6 +98,6 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
             with stop.catching():
                 return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
         except Interrupted as stopped:
-            again = argv if "--resume" in argv else [*argv, "--resume"]
+            again = argv if resumes_as_given or "--resume" in argv else [*argv, "--resume"]
             click.echo(f"{stopped}. Continue with:\n  {shlex.join(again)}", err=True)
             sys.exit(stopped.exit_status)
