@@ -14,7 +14,8 @@ Variants, all with the same budget of B KV entries per layer and KV head:
 
 Cost saving: the cells of one (variant, trial) share reads: the filler is read once; at each needle position a copy of
 the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
-cell's chunks are `chunk` tokens counted from the filler's start and from its needle, cut short at branch points; for
+cell's chunks are `chunk` tokens at multiples of `chunk` of the tokens its cache has read, cut short at branch points
+(read in scanned forwards of up to 256 tokens, `StreamingCache(decide_every=chunk)`: the same decisions, faster); for
 sink and window chunking does not change the numbers (banded mask), for the others it moves eviction decisions
 slightly.
 The prompt is summarize's (`h2o_stream.apps.summarize.build_prompt`): chat template, document in the user turn,
@@ -42,6 +43,7 @@ from pathlib import Path
 import torch
 
 from h2o_stream import StreamingCache, make_policy
+from h2o_stream.apps.perplexity.run import default_span
 from h2o_stream.apps.summarize import build_prompt, encode
 from h2o_stream.engine import POLICIES, default_chunk_size
 from h2o_stream.engine.feed import feed
@@ -129,20 +131,20 @@ def reply(model, tokenizer, cache: StreamingCache, logits, new_tokens: int, stop
 
 
 def fork(model, policy, cache: StreamingCache) -> StreamingCache:
-    copy = StreamingCache(model, policy)
+    copy = StreamingCache(model, policy, decide_every=cache.decide_every)
     copy.load_state(cache.state())  # state() copies the tensors
     return copy
 
 
-def read_segments(model, cache, ids: list[int], stops: list[int], chunk: int, on_stop) -> None:
-    """Feed `ids` in chunks of `chunk` (counted from its start) that also end at every position in `stops`;
-    call on_stop(position) there."""
+def read_segments(model, cache, ids: list[int], stops: list[int], span: int, on_stop) -> None:
+    """Feed `ids` in forwards of up to `span` tokens that also end at every position in `stops`; call
+    on_stop(position) there."""
     stops = sorted(set(stops))
     if stops[0] == 0:
         on_stop(0)
-    bounds = sorted(set(range(0, stops[-1], chunk)) | set(stops) | {0})
+    bounds = sorted(set(stops) | {0})
     for a, b in zip(bounds, bounds[1:]):
-        feed(model, cache, torch.tensor([ids[a:b]]), chunk)
+        feed(model, cache, torch.tensor([ids[a:b]]), span)
         if b in stops:
             on_stop(b)
 
@@ -154,6 +156,7 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
     that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
     policy = make_policy(variant, None if variant == "full" else args.cache_size, tokenizer=tokenizer)
     filler, chunk = trial["filler"], args.chunk_size or default_chunk_size(policy)
+    span = default_span(chunk)  # scanned forwards: decisions every `chunk` tokens, inside forwards of `span`
     context = model.config.max_position_embeddings
     out, runnable = [], []
     for cell in cells:
@@ -171,7 +174,7 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
     def ask(branch, cell) -> None:
         began = time.perf_counter()
         cache = fork(model, policy, branch)
-        logits = feed(model, cache, torch.tensor([prompt.suffix]), chunk)
+        logits = feed(model, cache, torch.tensor([prompt.suffix]), span)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
                     "evicted": cache.evicted, "seconds_answer": round(time.perf_counter() - began, 2)})
@@ -184,12 +187,12 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
         groups: dict[int, list[dict]] = {}
         for c in by_ins[p]:
             groups.setdefault(c["cut"] - p + len(needle_ids), []).append(c)
-        read_segments(model, branch, ids, list(groups), chunk,
+        read_segments(model, branch, ids, list(groups), span,
                       lambda end: [ask(branch, c) for c in groups[end]])
 
-    base = StreamingCache(model, policy)
-    feed(model, base, torch.tensor([prompt.prefix]), chunk)
-    read_segments(model, base, filler, sorted(by_ins), chunk, branch_at)
+    base = StreamingCache(model, policy, decide_every=chunk)
+    feed(model, base, torch.tensor([prompt.prefix]), span)
+    read_segments(model, base, filler, sorted(by_ins), span, branch_at)
     return out
 
 

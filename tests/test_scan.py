@@ -100,7 +100,7 @@ def test_decide_every_is_checked():
     model = tiny_model("llama")
     with pytest.raises(H2OStreamError, match="at least 1"):
         StreamingCache(model, build("h2o", 8), decide_every=0)
-    with pytest.raises(H2OStreamError, match="chunk size of at most the cache size"):
+    with pytest.raises(H2OStreamError, match="chunk size of at most the cache size \\(8\\)"):
         StreamingCache(model, build("h2o", 8), decide_every=9)
 
 
@@ -124,3 +124,20 @@ def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_pe
     assert torch.allclose(torch.cat(scanned.token_nll), torch.cat(plain.token_nll), atol=1e-9, rtol=0)
     assert scanned.result().span == 256 and scanned.settings == plain.settings  # speed only: same settings
     assert scanned.cache.evicted == plain.cache.evicted > 0
+
+
+def test_a_scanned_cache_takes_forwards_wider_than_its_budget():
+    """Decisions, not forwards, are what the budget limits: `feed` sends 40-token forwards into a cache of 8."""
+    from h2o_stream.engine import feed
+    model = tiny_model("llama").double()
+    ids = random_ids(120)
+    scanned = StreamingCache(model, build("h2o", 8), decide_every=4)
+    plain = StreamingCache(model, build("h2o", 8))
+    assert scanned.max_chunk is None and plain.max_chunk == 8
+    wide = feed(model, scanned, ids, 40)
+    unscanned = StreamingCache(model, build("h2o", 8))
+    model(ids[:, :8], cache=unscanned)
+    with pytest.raises(H2OStreamError, match="at most the cache size"):
+        model(ids[:, 8:48], cache=unscanned)
+    assert torch.allclose(wide, feed(model, plain, ids, 4), atol=1e-9, rtol=0)
+    _same_entries(scanned, plain)

@@ -116,8 +116,9 @@ class StreamingCache(Cache):
             raise H2OStreamError(f"decide_every must be at least 1 token, got {decide_every}")
         # only policies that decide once per forward need the scan: band policies are exact at any forward width
         self.decide_every = decide_every if policy.band() is None and budget is not None else None
-        if self.decide_every is not None:
-            self.check_chunk_size(self.decide_every)
+        if self.decide_every is not None and self.decide_every > budget:
+            raise H2OStreamError(f"{policy.describe()} cannot decide every {self.decide_every} tokens over a cache of "
+                                 f"{budget}: use a chunk size of at most the cache size ({budget})")
         attach(model)
         # The model it was made for (its rotary tables and shapes are baked in); weak, so the cache never keeps it.
         self._model = weakref.ref(model.base_model)
@@ -156,8 +157,11 @@ class StreamingCache(Cache):
         more than the budget + 1 keys exact mode gives a query (a 1-entry h2o cache would beat every other policy).
         Band policies (sink, window) mask each query down to exactly what exact mode gives it, so they take any
         chunk.
+
+        A scanned cache (`decide_every`) takes forwards of any width: it decides every `decide_every` tokens inside
+        them, so no decision covers more than that.
         """
-        return None if self.policy.band() is not None else self.policy.budget
+        return None if self.policy.band() is not None or self.decide_every is not None else self.policy.budget
 
     def check_chunk_size(self, chunk_size: int) -> None:
         """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
