@@ -11,7 +11,8 @@ from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leader
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
-from .options import cache_options, checkpoint_option, command_argv, data_option, model_options, workers_option
+from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
+                      workers_option)
 from .ppl import run_sweep
 
 #: every registered policy with a bounded cache (full has no cache size to compare at)
@@ -28,9 +29,10 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts)
               show_default=True, help="Directory for the leaderboard; the runs go to its runs/ folder.")
 @checkpoint_option
 @workers_option
+@ray_option
 @click.option("--report-only", is_flag=True, help="Redraw the table and plots from the finished runs; run nothing.")
 def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, tokens, data, out_dir,
-                checkpoint_every, workers, report_only):
+                checkpoint_every, workers, ray_address, report_only):
     """Rank eviction policies: perplexity of every --policy at every --cache-size over the same stream.
 
     Runs go one cache size at a time (all policies at the first size, then the next), each with its policy's default
@@ -51,8 +53,8 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
             return [spec for size in cache_size for spec in run_specs(policy, [size], parts, tokenizer=tokenizer)]
         sweep = Sweep(specs(), runs, data, tokens, rolling=not no_rolling, checkpoint_every=checkpoint_every,
                       resume=True, command=shlex.join(argv))
-        run_sweep(sweep, specs, argv, workers=workers, resumes_as_given=True, model_spec=model_spec, dtype=dtype,
-                  device=device, threads=threads)
+        run_sweep(sweep, specs, argv, workers=workers, ray_address=ray_address, resumes_as_given=True,
+                  model_spec=model_spec, dtype=dtype, device=device, threads=threads)
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)

@@ -43,6 +43,12 @@ workers_option = click.option(
     help="Run this many runs at once, each in its own process with its own model; --threads is per worker "
          "(default: the cores shared out). Results equal running them one after another.")
 
+ray_option = click.option(
+    "--ray", "ray_address", default=None, metavar="ADDRESS",
+    help="Run each run as a task on a Ray cluster instead (auto, ray://HOST:PORT, or local to start one here; needs "
+         "pip install 'h2o-stream[ray]'). --out must be a path every node sees; --threads is CPUs per task "
+         "(default 1).")
+
 
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
     """--policy, --cache-size, one option per budget part and per setting of the registered policies, and

@@ -13,7 +13,8 @@ from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
-from .options import cache_options, checkpoint_option, command_argv, data_option, model_options, workers_option
+from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
+                      workers_option)
 
 
 @click.command()
@@ -44,8 +45,10 @@ from .options import cache_options, checkpoint_option, command_argv, data_option
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Tokens between points of the running-PPL curve.")
 @workers_option
+@ray_option
 def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, span, wide_chunks,
-        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers):
+        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers,
+        ray_address):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -69,17 +72,19 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
                   command=shlex.join(argv))
     results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
-                        workers=workers, model_spec=model_spec, dtype=dtype, device=device, threads=threads)
+                        workers=workers, ray_address=ray_address, model_spec=model_spec, dtype=dtype, device=device,
+                        threads=threads)
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
 
 
-def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1,
+def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1, ray_address: str | None = None,
               resumes_as_given: bool = False, **loading) -> list[dict]:
     """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
-    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them, in `workers` local
-    processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume,
+    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them: as Ray tasks with
+    `ray_address`, else in `workers` local processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume,
     or as given for a command that always resumes: `resumes_as_given`) and exit."""
+    from h2o_stream.apps.perplexity.ray_runs import run_on_ray
     from h2o_stream.apps.perplexity.workers import run_in_workers
     from h2o_stream.loading.models import load_model
 
@@ -91,9 +96,11 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
         sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:
-            if workers > 1:
+            if ray_address is not None or workers > 1:
                 sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
-                del loaded  # the workers load their own
+                del loaded  # the workers (or Ray tasks) load their own
+                if ray_address is not None:
+                    return run_on_ray(sweep, loading, ray_address, note)
                 return run_in_workers(sweep, loading, workers, note)
             with stop.catching():
                 return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)

@@ -1,0 +1,37 @@
+"""`--ray ADDRESS`: a sweep's runs as tasks on a Ray cluster (here a local instance, `--ray local`) give the results
+of running them one after another, gathered into the same --out and report."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from ppl_helpers import ppl, ppl_command, ppl_model_dir, run_to_end, write_corpus  # noqa: F401
+
+pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'h2o-stream[ray]')")
+
+
+def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink",
+            "--cache-size", "16,24", "--threads", 1]
+    run_to_end(ppl_command(*args, "--out", tmp_path / "alone"))
+    done = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--ray", "local"))
+    assert "4 runs as Ray tasks of 1 CPU(s) each" in done.stderr
+    names = sorted(p.stem for p in (tmp_path / "alone").glob("*-*.json"))
+    assert len(names) == 4 and names == sorted(p.stem for p in (tmp_path / "ray").glob("*-*.json"))
+    for name in names:
+        alone, tasked = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("alone", "ray"))
+        assert tasked["nll_sum"] == alone["nll_sum"] and tasked["curve"] == alone["curve"]
+        assert tasked["settings"] == alone["settings"]
+    assert len(json.loads((tmp_path / "ray" / "summary.json").read_text())) == 4
+    again = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--ray", "local", "--resume"))
+    assert again.stderr.count("already done") == 4  # resumable: finished runs are kept wherever they ran
+
+
+def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    code, _, err = ppl(capsys, "--model", ppl_model_dir, "--data", write_corpus(tmp_path / "c.jsonl"), "--tokens",
+                       100, "--cache-size", 16, "--out", tmp_path / "o", "--ray", "auto")
+    assert code == 2 and "cannot reach a Ray cluster at 'auto'" in err, err
+    assert err.count("Error") == 1 and not list((tmp_path / "o").glob("*.json"))
