@@ -4,9 +4,16 @@ of running them one after another, gathered into the same --out and report."""
 from __future__ import annotations
 
 import json
+import shlex
+import signal
+import subprocess
+import sys
 
 import pytest
-from ppl_helpers import ppl, ppl_command, ppl_model_dir, run_to_end, write_corpus  # noqa: F401
+from ppl_helpers import ppl, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from test_ppl_faults import wait_for
+
+from h2o_stream.files import WRITE_DELAY_ENV
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'h2o-stream[ray]')")
 
@@ -35,3 +42,24 @@ def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, caps
                        100, "--cache-size", 16, "--out", tmp_path / "o", "--ray", "auto")
     assert code == 2 and "cannot reach a Ray cluster at 'auto'" in err, err
     assert err.count("Error") == 1 and not list((tmp_path / "o").glob("*.json"))
+
+
+def test_a_signal_stops_the_tasks_at_a_checkpoint_and_resume_continues_exactly(ppl_model_dir, tmp_path):  # noqa: F811
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 3000, "--policy", "h2o", "--cache-size", 16,
+            "--chunk-size", 4, "--span", 4, "--checkpoint-every", 40, "--threads", 1]
+    run_to_end(ppl_command(*args, "--out", tmp_path / "whole"))
+    out = tmp_path / "out"
+    process = subprocess.Popen(ppl_command(*args, "--out", out, "--ray", "local"),
+                               env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}), stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: (out / "h2o-16.ckpt").exists(), "the task's first checkpoint", process, timeout=240)
+    process.send_signal(signal.SIGINT)
+    _, stderr = process.communicate(timeout=120)
+    assert process.returncode == 130, stderr
+    assert not (out / "h2o-16.json").exists(), "the run finished before the signal"
+    printed = shlex.split(stderr.strip().splitlines()[-1])
+    assert printed[-1] == "--resume"
+    run_to_end([sys.executable, "-m", "h2o_stream", *printed[1:]])
+    whole, resumed = (json.loads((tmp_path / d / "h2o-16.json").read_text()) for d in ("whole", "out"))
+    assert resumed["nll_sum"] == whole["nll_sum"] and resumed["curve"] == whole["curve"]
