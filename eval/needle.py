@@ -373,9 +373,9 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
                      "needle": NEEDLE, "question": QUESTION, "primer": PRIMER,
                      "prompt_tokens": {"prefix": len(prompt.prefix), "suffix": len(prompt.suffix)},
                      "chat_template": prompt.chat, "scoring": "first number in the answer == passkey",
-                     "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) counted "
-                                 "from the filler start and from each needle, cut short at shared branch points "
-                                 "(needle positions, document ends)"},
+                     "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) at "
+                                 "multiples of chunk_size of the tokens a cache has read, cut short at shared branch "
+                                 "points (needle positions, document ends), in scanned forwards of up to 256 tokens"},
         "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
         "data": describe_source(args.data),
         "versions": versions(model_name),
