@@ -86,7 +86,7 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_partial_file(b
     monkeypatch.setattr(h2o_stream.files, "_write_body", disk_full)
     message = ppl_error(capsys, *base[:-1], 600, "--out", out, "--checkpoint-every", 64, "--resume")
     assert "No space left on device (the disk is full)" in message
-    assert "the last good checkpoint, at token 296, is kept" in message and "no partial file is left" in message
+    assert "the last good checkpoint, at token 256, is kept" in message and "no partial file is left" in message
     assert snapshot(out) == before  # the checkpoint and the 300-token result untouched, no temporary file
 
     monkeypatch.undo()

@@ -58,3 +58,24 @@ def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_mode
     for name in ("h2o-16", "sink-16", "h2o-24", "sink-24"):
         whole, resumed = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("whole", "out"))
         assert resumed["nll_sum"] == whole["nll_sum"] and resumed["curve"] == whole["curve"]
+
+
+def test_auto_workers_is_one_single_thread_worker_per_core_as_memory_allows():
+    from tiny_models import tiny_model
+
+    from h2o_stream.apps.perplexity.workers import auto_workers, threads_per_worker
+    model = tiny_model("llama")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    plenty = 1 << 40
+    assert auto_workers(6, model, cores=4, available=plenty) == 4
+    assert auto_workers(3, model, cores=4, available=plenty) == 3  # never more workers than runs
+    assert auto_workers(1, model, cores=4, available=plenty) == 1
+    assert auto_workers(6, model, cores=4, available=2 * (2 * weights + (512 << 20))) == 2  # memory for two copies
+    assert auto_workers(6, model, cores=4, available=0) == 1
+    assert threads_per_worker(4, None) >= 1 and threads_per_worker(2, 3) == 3
+
+
+def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):  # noqa: F811
+    from ppl_helpers import ppl_error
+    assert "'0' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", 0, "--model", ppl_model_dir)
+    assert "'many' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", "many")

@@ -38,10 +38,24 @@ checkpoint_option = click.option("--checkpoint-every", type=click.IntRange(min=1
 
 
 #: --workers, for the commands that run sweeps
+class WorkersType(click.ParamType):
+    """A positive worker count, or "auto" (None): see `apps.perplexity.workers.auto_workers`."""
+
+    name = "N|auto"
+
+    def convert(self, value, param, ctx):
+        if value is None or value == "auto" or isinstance(value, int) and value >= 1:
+            return None if value == "auto" else value
+        if isinstance(value, str) and value.isdigit() and int(value) >= 1:
+            return int(value)
+        self.fail(f"{value!r} is not a positive integer or 'auto'", param, ctx)
+
+
 workers_option = click.option(
-    "--workers", type=click.IntRange(min=1), default=1, show_default=True,
+    "--workers", type=WorkersType(), default="auto", show_default=True,
     help="Run this many runs at once, each in its own process with its own model; --threads is per worker "
-         "(default: the cores shared out). Results equal running them one after another.")
+         "(default: the cores shared out). auto: one single-thread worker per core, as many as there are runs "
+         "and as memory holds models (on a CPU; 1 elsewhere). Results equal running them one after another.")
 
 ray_option = click.option(
     "--ray", "ray_address", default=None, metavar="ADDRESS",

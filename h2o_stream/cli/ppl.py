@@ -78,14 +78,15 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
 
 
-def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int = 1, ray_address: str | None = None,
-              resumes_as_given: bool = False, **loading) -> list[dict]:
+def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int | None = 1,
+              ray_address: str | None = None, resumes_as_given: bool = False, **loading) -> list[dict]:
     """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
     tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them: as Ray tasks with
-    `ray_address`, else in `workers` local processes when more than one; Ctrl-C / SIGTERM checkpoint, print the command that resumes (`argv` with --resume,
-    or as given for a command that always resumes: `resumes_as_given`) and exit."""
+    `ray_address`, else in `workers` local processes when more than one (None: `auto_workers`). Ctrl-C / SIGTERM
+    checkpoint, print the command that resumes (`argv` with --resume, or as given for a command that always resumes:
+    `resumes_as_given`) and exit."""
     from h2o_stream.apps.perplexity.ray_runs import run_on_ray
-    from h2o_stream.apps.perplexity.workers import run_in_workers
+    from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
     from h2o_stream.loading.models import load_model
 
     sweep.check()
@@ -96,6 +97,8 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
         sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:
+            if workers is None:  # --workers auto
+                workers = auto_workers(len(sweep.specs), loaded.model)
             if ray_address is not None or workers > 1:
                 sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
                 del loaded  # the workers (or Ray tasks) load their own

@@ -114,11 +114,11 @@ class StreamingCache(Cache):
         self.context = context
         if decide_every is not None and decide_every < 1:
             raise H2OStreamError(f"decide_every must be at least 1 token, got {decide_every}")
-        # only policies that decide once per forward need the scan: band policies are exact at any forward width
-        self.decide_every = decide_every if policy.band() is None and budget is not None else None
-        if self.decide_every is not None and self.decide_every > budget:
-            raise H2OStreamError(f"{policy.describe()} cannot decide every {self.decide_every} tokens over a cache of "
-                                 f"{budget}: use a chunk size of at most the cache size ({budget})")
+        self.decide_every = None
+        if decide_every is not None and policy.band() is None and budget is not None:
+            # only policies that decide once per forward need the scan: band policies are exact at any width
+            self.check_chunk_size(decide_every)  # a decision may not take more than an unscanned forward may
+            self.decide_every = decide_every
         attach(model)
         # The model it was made for (its rotary tables and shapes are baked in); weak, so the cache never keeps it.
         self._model = weakref.ref(model.base_model)

@@ -23,6 +23,23 @@ from .interrupt import SIGNALS, Interrupted, StopRequest
 from .sweep import write_reports
 
 
+def auto_workers(runs: int, model, *, cores: int | None = None, available: int | None = None) -> int:
+    """Workers for `--workers auto`: on a CPU, one per core, at most one per run and as many as the available memory
+    holds a model's copy (its parameters twice over plus 512 MiB of working memory each); elsewhere 1. Measured on 2
+    cores (eval/results/bench_workers.json): two single-thread workers ran an h2o + sink sweep at 362 tok/s, one
+    2-thread process at 305, because a second thread speeds up the cache's many small operations little
+    (eval/results/bench_scan.json)."""
+    if model.device.type != "cpu" or runs <= 1:
+        return 1
+    cores = cores or os.cpu_count() or 1
+    if available is None:
+        import psutil
+        available = psutil.virtual_memory().available
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    fits = available // (2 * weights + (512 << 20))
+    return max(1, min(runs, cores, fits))
+
+
 def threads_per_worker(workers: int, threads: int | None) -> int:
     """Each worker's torch threads: as given, else an equal share of this machine's cores (at least 1)."""
     if threads is not None:
