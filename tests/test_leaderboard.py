@@ -65,6 +65,7 @@ def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(cap
     code, _, stderr = leaderboard(capsys, *board_args)
     assert code == 0, stderr
     assert stderr.count("already done") == 7 and "== tova-32: tova" in stderr
+    assert "runs on" not in stderr  # --workers auto: the one run left gets this process and all its cores
     again = {p.name: p.read_bytes() for p in runs.glob("*-*.json")}
     assert {k: v for k, v in again.items() if k != "tova-32.json"} == \
         {k: v for k, v in results.items() if k != "tova-32.json"}

@@ -97,10 +97,13 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
         sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:
-            if workers is None:  # --workers auto
-                workers = auto_workers(len(sweep.specs), loaded.model)
+            if workers is None and len(sweep.specs) == 1:  # --workers auto with one run: all cores to it
+                workers = 1
+            if ray_address is not None or workers != 1:
+                _, plans = sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
+                if workers is None:  # --workers auto: from the runs left to do
+                    workers = auto_workers(sum(not plan.done for plan in plans), loaded.model)
             if ray_address is not None or workers > 1:
-                sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
                 del loaded  # the workers (or Ray tasks) load their own
                 if ray_address is not None:
                     return run_on_ray(sweep, loading, ray_address, note)
