@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import textwrap
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
@@ -144,5 +145,6 @@ def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("perplexity of each window")
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
+    # wrapped to the figure's width: with one cache size the figure is narrower than the title
+    fig.suptitle("\n".join(textwrap.wrap(title, width=int(14 * fig.get_figwidth()))), fontsize=9)
     _save(fig, path)
