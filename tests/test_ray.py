@@ -32,8 +32,8 @@ def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path)
         assert tasked["nll_sum"] == alone["nll_sum"] and tasked["curve"] == alone["curve"]
         assert tasked["settings"] == alone["settings"]
     assert len(json.loads((tmp_path / "ray" / "summary.json").read_text())) == 4
-    again = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--ray", "local", "--resume"))
-    assert again.stderr.count("already done") == 4  # resumable: finished runs are kept wherever they ran
+    again = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--workers", 1, "--resume"))
+    assert again.stderr.count("already done") == 4  # finished runs are kept, whatever runs the sweep next
 
 
 def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
@@ -59,7 +59,9 @@ def test_a_signal_stops_the_tasks_at_a_checkpoint_and_resume_continues_exactly(p
     assert process.returncode == 130, stderr
     assert not (out / "h2o-16.json").exists(), "the run finished before the signal"
     printed = shlex.split(stderr.strip().splitlines()[-1])
-    assert printed[-1] == "--resume"
+    assert printed[-1] == "--resume" and "--ray" in printed
+    # the checkpoint a Ray task left resumes anywhere: here without Ray (each Ray start costs seconds of CPU)
+    printed = printed[:printed.index("--ray")] + printed[printed.index("--ray") + 2:]
     run_to_end([sys.executable, "-m", "h2o_stream", *printed[1:]])
     whole, resumed = (json.loads((tmp_path / d / "h2o-16.json").read_text()) for d in ("whole", "out"))
     assert resumed["nll_sum"] == whole["nll_sum"] and resumed["curve"] == whole["curve"]
