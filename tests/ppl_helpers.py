@@ -65,6 +65,20 @@ def result(out: Path, name: str) -> dict:
     return json.loads((out / f"{name}.json").read_text())
 
 
+def assert_same_runs(first: Path, second: Path, count: int, *, per_token: float = 0.0) -> None:
+    """The run results in two --out directories: the same `count` runs with the same settings and tokens fed, and
+    the same NLL sums and curves (or, with `per_token`, NLL sums within `per_token` times the predictions)."""
+    names = sorted(p.stem for p in first.glob("*-*.json"))
+    assert len(names) == count and names == sorted(p.stem for p in second.glob("*-*.json"))
+    for name in names:
+        a, b = result(first, name), result(second, name)
+        assert a["settings"] == b["settings"] and a["tokens_fed"] == b["tokens_fed"], name
+        if per_token:
+            assert abs(a["nll_sum"] - b["nll_sum"]) <= per_token * a["predicted_tokens"], name
+        else:
+            assert a["nll_sum"] == b["nll_sum"] and a["curve"] == b["curve"], name
+
+
 def ppl_command(*args) -> list[str]:
     """The command line that runs `h2o-stream ppl ARGS` in a subprocess."""
     return [sys.executable, "-m", "h2o_stream", "ppl", *map(str, args)]

@@ -105,7 +105,7 @@ def extend(tiny_lm, policy, books, checkpoint, tokens, every) -> PerplexityRun:
     run = PerplexityRun(model, make_policy(policy, 16), chunk_size=16, curve_every=50)
     if checkpoint.exists():
         run.load(checkpoint)
-    execute(run, token_pieces(books, tokenizer), tokens, checkpoint, every)
+    execute([run], token_pieces(books, tokenizer), tokens, [checkpoint], every)
     return run
 
 

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import ppl, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from ppl_helpers import assert_same_runs, ppl, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
 from test_ppl_faults import wait_for
 
 from h2o_stream.files import WRITE_DELAY_ENV
@@ -22,15 +22,10 @@ def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path)
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink",
             "--cache-size", "16,24", "--threads", 1]
-    run_to_end(ppl_command(*args, "--out", tmp_path / "alone"))
+    run_to_end(ppl_command(*args, "--out", tmp_path / "alone", "--workers", 1))
     done = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--ray", "local"))
-    assert "4 runs as Ray tasks of 1 CPU(s) each" in done.stderr
-    names = sorted(p.stem for p in (tmp_path / "alone").glob("*-*.json"))
-    assert len(names) == 4 and names == sorted(p.stem for p in (tmp_path / "ray").glob("*-*.json"))
-    for name in names:
-        alone, tasked = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("alone", "ray"))
-        assert tasked["nll_sum"] == alone["nll_sum"] and tasked["curve"] == alone["curve"]
-        assert tasked["settings"] == alone["settings"]
+    assert "4 runs as 4 Ray tasks of 1 CPU(s) each" in done.stderr
+    assert_same_runs(tmp_path / "alone", tmp_path / "ray", 4)
     assert len(json.loads((tmp_path / "ray" / "summary.json").read_text())) == 4
     again = run_to_end(ppl_command(*args, "--out", tmp_path / "ray", "--workers", 1, "--resume"))
     assert again.stderr.count("already done") == 4  # finished runs are kept, whatever runs the sweep next

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import sys
 
-from ppl_helpers import ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from ppl_helpers import assert_same_runs, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
 from test_ppl_faults import wait_for
 
 from h2o_stream.files import WRITE_DELAY_ENV
@@ -21,15 +21,10 @@ def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path): 
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink,tova",
             "--cache-size", "16,24", "--threads", 1]
-    run_to_end(ppl_command(*args, "--out", tmp_path / "alone"))
+    run_to_end(ppl_command(*args, "--out", tmp_path / "alone", "--workers", 1))
     done = run_to_end(ppl_command(*args, "--out", tmp_path / "workers", "--workers", 3))
     assert "runs on 3 workers, 1 thread(s) each" in done.stderr
-    names = sorted(p.stem for p in (tmp_path / "alone").glob("*-*.json"))
-    assert len(names) == 6 and names == sorted(p.stem for p in (tmp_path / "workers").glob("*-*.json"))
-    for name in names:
-        alone, spread = (json.loads((tmp_path / d / f"{name}.json").read_text()) for d in ("alone", "workers"))
-        assert spread["nll_sum"] == alone["nll_sum"] and spread["curve"] == alone["curve"]
-        assert spread["settings"] == alone["settings"]
+    assert_same_runs(tmp_path / "alone", tmp_path / "workers", 6)
     summary = json.loads((tmp_path / "workers" / "summary.json").read_text())
     assert len(summary) == 6  # the report covers every worker's runs
 

@@ -57,6 +57,12 @@ workers_option = click.option(
          "(default: the cores shared out). auto: one single-thread worker per core, as many as there are runs "
          "and as memory holds models (on a CPU; 1 elsewhere). Results equal running them one after another.")
 
+rows_option = click.option(
+    "--rows", type=click.IntRange(min=1), default=1, show_default=True,
+    help="Runs per model forward: up to this many runs with the same span ride as the rows of one batch, each over "
+         "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
+         "on a GPU; on a CPU see eval/results/bench_rows.json.")
+
 ray_option = click.option(
     "--ray", "ray_address", default=None, metavar="ADDRESS",
     help="Run each run as a task on a Ray cluster instead (auto, ray://HOST:PORT, or local to start one here; needs "

@@ -14,7 +14,7 @@ from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
 from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
-                      workers_option)
+                      rows_option, workers_option)
 
 
 @click.command()
@@ -45,10 +45,11 @@ from .options import (cache_options, checkpoint_option, command_argv, data_optio
 @click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
               help="Tokens between points of the running-PPL curve.")
 @workers_option
+@rows_option
 @ray_option
 def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, span, wide_chunks,
         tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers,
-        ray_address):
+        rows, ray_address):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -70,7 +71,7 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size, span=span,
                   rolling=not no_rolling, wide_chunks=wide_chunks, reset_per_book=reset_per_book,
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
-                  command=shlex.join(argv))
+                  command=shlex.join(argv), rows=rows)
     results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
                         workers=workers, ray_address=ray_address, model_spec=model_spec, dtype=dtype, device=device,
                         threads=threads)
@@ -101,8 +102,10 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
                 workers = 1
             if ray_address is not None or workers != 1:
                 _, plans = sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
-                if workers is None:  # --workers auto: from the runs left to do
-                    workers = auto_workers(sum(not plan.done for plan in plans), loaded.model)
+                if workers is None:  # --workers auto: from the runs (or groups of rows) left to do
+                    left = {name for (name, _), plan in zip(sweep.specs, plans) if not plan.done}
+                    workers = auto_workers(sum(any(name in left for name in group) for group in sweep.groups()),
+                                           loaded.model)
             if ray_address is not None or workers > 1:
                 del loaded  # the workers (or Ray tasks) load their own
                 if ray_address is not None:

@@ -188,15 +188,12 @@ class StreamingCache(Cache):
             f"{self.context} tokens fit in all and {left} more fit in this cache ({self.seen} fed so far), not "
             f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream")
 
-    def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Position ids for the forward about to run and the banded mask chunked mode needs (or None).
+    def check_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> None:
+        """Refuse (H2OStreamError) a forward this cache cannot take, changing nothing; `begin_forward`'s arguments.
 
-        `inputs` (batch, length[, hidden]) are its token ids or embeddings, `model` the base model running it, and
-        `position_ids` / `attention_mask` what its caller passed (the cache replaces both). The forward is checked
-        first, so that misuse is one clear H2OStreamError before the model runs, with the cache untouched, instead
-        of a reshape error or silently wrong numbers.
-        """
+        Misuse is one clear error before the model runs, with the cache untouched, instead of a reshape error or
+        silently wrong numbers."""
         batch, length = inputs.shape[:2]
         self._check_model(model)
         self._check_batch(batch)
@@ -206,25 +203,54 @@ class StreamingCache(Cache):
         if self.slots and blocks is None:  # a prompt into an empty cache may be wider (generate prefills it at once)
             self.check_chunk_size(length)
         self.check_fits(length)
-        if self.policy.needs_tokens:
-            self._pass_tokens(inputs)
-        if self.fair and self.slots and blocks is None:
-            for layer in self.layers:
-                layer.make_room(length)
-        for layer in self.layers:
-            layer.scan, layer.scan_fair = blocks, self.fair
-        slots = self._block_slots(blocks) if blocks is not None and self.rolling else None
-        start = self.slots if self.rolling else self.seen
+        if self.policy.needs_tokens and (inputs.dim() != 2 or inputs.is_floating_point()):
+            raise H2OStreamError(f"{self.policy.describe()} reads the token id of every entry: call the model with "
+                                 "input_ids, not inputs_embeds")
+        start, slots = self._slots_of(length, blocks)
         last = start + length - 1 if slots is None else slots[-1]
         if self.rolling and self.context is not None and last >= self.context:
             raise H2OStreamError(
                 f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
                 f"{last}, beyond the model's context of {self.context}; use a smaller chunk or cache")
+
+    def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
+                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Position ids for the forward about to run and the banded mask chunked mode needs (or None).
+
+        `inputs` (batch, length[, hidden]) are its token ids or embeddings, `model` the base model running it, and
+        `position_ids` / `attention_mask` what its caller passed (the cache replaces both). The forward is checked
+        first (`check_forward`).
+        """
+        self.check_forward(inputs, model=model, position_ids=position_ids, attention_mask=attention_mask)
+        length = inputs.shape[1]
+        blocks = self.blocks(length)
+        start, slots = self._slots_of(length, blocks)
+        if self.policy.needs_tokens:
+            for layer in self.layers:
+                layer.pending_tokens = inputs
+        if self.fair and self.slots and blocks is None:
+            for layer in self.layers:
+                layer.make_room(length)
+        for layer in self.layers:
+            layer.scan, layer.scan_fair = blocks, self.fair
         if slots is None:
             positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
         else:
             positions = torch.tensor(slots, device=inputs.device).unsqueeze(0)
         return positions, self.band_mask(length, inputs.device)
+
+    def _slots_of(self, length: int, blocks: list[int] | None) -> tuple[int, list[int] | None]:
+        """(the first token's position, every token's slot in a scanned forward with rolling, else None) for a
+        forward of `length` tokens, before it runs: with rolling a fair chunk first cuts to budget + 1 - length."""
+        if not self.rolling:
+            return self.seen, None
+        if blocks is not None:
+            slots = self._block_slots(blocks)
+            return slots[0], slots
+        n = self.slots
+        if self.fair and n:
+            n = min(n, self.policy.budget + 1 - length)
+        return n, None
 
     def blocks(self, length: int) -> list[int] | None:
         """The block sizes a forward of `length` tokens is scanned in (see the module docstring), or None when it is
@@ -248,14 +274,6 @@ class StreamingCache(Cache):
             slots.extend(range(n, n + size))
             n = min(n + size, budget)
         return slots
-
-    def _pass_tokens(self, inputs: torch.Tensor) -> None:
-        """Hand the forward's token ids to every layer (for a policy that reads them); embeddings are refused."""
-        if inputs.dim() != 2 or inputs.is_floating_point():
-            raise H2OStreamError(f"{self.policy.describe()} reads the token id of every entry: call the model with "
-                                 "input_ids, not inputs_embeds")
-        for layer in self.layers:
-            layer.pending_tokens = inputs
 
     def _check_model(self, model) -> None:
         if model is None or model is self._model():

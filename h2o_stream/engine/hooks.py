@@ -33,8 +33,19 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     layer = cache.layers[module.layer_idx]
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
+    rows = getattr(layer, "rows", None)
+    if rows is None:
+        return _layer_attention(layer, query, key, value, attention_mask, scaling, softcap), None
+    # a RowsCache (engine/rows.py): every row attends over its own cache, as that cache alone would
+    outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), layer.masks[i], scaling,
+                                softcap) for i, row in enumerate(rows)]
+    return torch.cat(outputs), None
+
+
+def _layer_attention(layer, query, key, value, attention_mask, scaling, softcap):
+    """Attention of `query` over one StreamingLayer (a scan block by block, the fused sink path where it applies)."""
     if layer.scan is not None:
-        return _scan(layer, query, scaling, softcap), None
+        return _scan(layer, query, scaling, softcap)
     mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
@@ -42,8 +53,8 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
         output = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks)
         layer.after_attention(None, steps=query.shape[-2])
-        return output, None
-    return _attend(layer, query, key, value, mask, scaling, softcap, sink_query, sinks), None
+        return output
+    return _attend(layer, query, key, value, mask, scaling, softcap, sink_query, sinks)
 
 
 def _attend(layer, query, key, value, mask, scaling, softcap, sink_query=None, sinks=0):

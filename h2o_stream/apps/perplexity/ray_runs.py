@@ -1,7 +1,8 @@
 """Runs of a sweep on a Ray cluster (`--ray ADDRESS`; the optional extra: pip install "h2o-stream[ray]").
 
-Every run is one Ray task that asks for --threads CPUs (default 1), loads the model on whichever node it lands and
-runs that one run with `Sweep.run`, so it checkpoints, resumes and writes its result file exactly as it would alone.
+Every run (or group of runs, with --rows) is one Ray task that asks for --threads CPUs (default 1), loads the model on
+whichever node it lands and runs it with `Sweep.run`, so it checkpoints, resumes and writes its result file exactly as
+it would alone.
 --out must be a path that every node sees (a shared filesystem): checkpoints live there, so a run stopped on one node
 resumes on whichever node takes it next. Each finished run's result also comes back to this process, which writes it
 into --out when the node's own file did not land there, and the report covers every run in --out. Ctrl-C / SIGTERM
@@ -11,14 +12,13 @@ checkpoint is intact either way; the same command with --resume continues.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError, one_line
 from h2o_stream.files import write_json
 from .interrupt import Interrupted, StopRequest
-from .sweep import write_reports
+from .sweep import run_share, write_reports
 
 #: --ray value that starts a Ray instance on this machine for the sweep (and stops it afterwards)
 LOCAL = "local"
@@ -42,8 +42,8 @@ def run_on_ray(sweep, loading: dict, address: str, note=lambda text: None) -> li
             raise H2OStreamError(f"cannot reach a Ray cluster at {address!r}: {error}") from None
     try:
         task = ray.remote(num_cpus=threads, max_retries=0)(_run_one)
-        pending = {task.remote(sweep, name, loading): name for name, _ in sweep.specs}
-        note(f"== {len(pending)} runs as Ray tasks of {threads} CPU(s) each")
+        pending = {task.remote(sweep, names, loading): ", ".join(names) for names in sweep.groups()}
+        note(f"== {len(sweep.specs)} runs as {len(pending)} Ray tasks of {threads} CPU(s) each")
         failures, stop, cancelled = [], StopRequest(), False
         with stop.catching():
             while pending:
@@ -55,15 +55,15 @@ def run_on_ray(sweep, loading: dict, address: str, note=lambda text: None) -> li
                 for ref in done:
                     name = pending.pop(ref)
                     try:
-                        kind, notes, result = ray.get(ref)
+                        kind, notes, results = ray.get(ref)
                     except (ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError) as error:
-                        kind, notes, result = ("stopped" if cancelled else "error"), [one_line(error)], None
+                        kind, notes, results = ("stopped" if cancelled else "error"), [one_line(error)], {}
                     for text in notes:
                         note(f"[{name}] {text}")
                     if kind == "error":
                         failures.append(f"{name}: {notes[-1] if notes else 'failed'}")
-                    if result is not None:
-                        _gather(Path(sweep.out) / f"{name}.json", result)
+                    for run_name, result in results.items():
+                        _gather(Path(sweep.out) / f"{run_name}.json", result)
     finally:
         if started_here:
             ray.shutdown()
@@ -81,21 +81,16 @@ def _gather(path: Path, result: dict) -> None:
         write_json(path, result)
 
 
-def _run_one(sweep, name: str, loading: dict) -> tuple[str, list[str], dict | None]:
-    """One run, in a Ray worker: ("done" | "stopped" | "error", its notes, its result or None)."""
-    from h2o_stream.loading.models import load_model
-
+def _run_one(sweep, names: list[str], loading: dict) -> tuple[str, list[str], dict[str, dict]]:
+    """One group of runs (`Sweep.groups`), in a Ray worker: ("done" | "stopped" | "error", its notes, each finished
+    run's result by name)."""
     notes: list[str] = []
     stop = StopRequest()
     try:
         with stop.catching():
-            loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
-                                threads=loading["threads"])
-            alone = dataclasses.replace(sweep, specs=[(name, dict(sweep.specs)[name])])
-            alone.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=notes.append)
+            run_share(sweep, [names], loading, stop, note=notes.append)
     except Interrupted as stopped:
-        return "stopped", [*notes, str(stopped)], None
+        return "stopped", [*notes, str(stopped)], {}
     except H2OStreamError as error:
-        return "error", [*notes, str(error)], None
-    path = Path(sweep.out) / f"{name}.json"
-    return "done", notes, json.loads(path.read_text())
+        return "error", [*notes, str(error)], {}
+    return "done", notes, {name: json.loads((Path(sweep.out) / f"{name}.json").read_text()) for name in names}

@@ -114,9 +114,16 @@ class PerplexityRun:
     def feed_chunk(self, ids: torch.Tensor) -> None:
         """ids: (C,) tokens of one book, continuing the stream."""
         started = time.perf_counter()
+        logits = self.model(ids.to(self.model.device).unsqueeze(0), cache=self.cache).logits[0]
+        self.take_logits(ids, logits)
+        self.seconds += time.perf_counter() - started
+
+    def take_logits(self, ids: torch.Tensor, logits: torch.Tensor) -> None:
+        """Account for a forward of `ids` (C,) through this run's cache that gave `logits` (C, vocab): its NLL, the
+        pending prediction, the stream position, the curve and memory samples (not the time: the caller's)."""
         self.digest.update(self.book, ids)
-        ids = ids.to(self.model.device)
-        logits = self.model(ids.unsqueeze(0), cache=self.cache).logits[0].float()
+        ids = ids.to(logits.device)
+        logits = logits.float()
         if self.pending is None:  # the stream's (or, with reset_per_book, the book's) first token is not predicted
             predictors, targets = logits[:-1], ids[1:]
         else:
@@ -135,7 +142,6 @@ class PerplexityRun:
         self.peak_rss = max(self.peak_rss, rss)
         if not self.rss_samples or self.position >= 2 * self.rss_samples[-1][0]:
             self.rss_samples.append((self.position, rss))
-        self.seconds += time.perf_counter() - started
 
     def start_book(self, index: int) -> None:
         if self.reset_per_book and index != self.book:
@@ -146,35 +152,9 @@ class PerplexityRun:
 
     def run(self, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
             on_progress=None, checkpoint=None, before_cut_short=None) -> None:
-        """Consume (book index, token ids) pieces of the stream from the current position on.
-
-        Chunks are cut at multiples of chunk_size of the stream position (per book with reset_per_book), so a resumed
-        run makes exactly the chunks an uninterrupted one would. `on_progress(run, fed)` is called after every chunk;
-        `checkpoint(run)` after every chunk an uninterrupted longer run would also make (all but a last chunk that
-        `limit` cuts short: a state there would make a longer resumed run cut its chunks differently);
-        `before_cut_short(run)` once, before such a last chunk (a checkpoint taken there lets a longer run resume as
-        if never stopped).
-        """
-        for index, ids in skip_tokens_of(pieces, self.position):
-            self.start_book(index)
-            offset = 0
-            while offset < ids.numel():
-                if limit is not None and self.position >= limit:
-                    return
-                room = min(self.span - (self.position - self.book_start) % self.span,
-                           ids.numel() - offset)
-                cut_short = limit is not None and limit - self.position < room
-                if cut_short:
-                    if before_cut_short is not None:
-                        before_cut_short(self)
-                    room = limit - self.position
-                piece = ids[offset:offset + room]
-                self.feed_chunk(piece)
-                offset += piece.numel()
-                if on_progress is not None:
-                    on_progress(self, piece.numel())
-                if checkpoint is not None and not cut_short:
-                    checkpoint(self)
+        """Consume (book index, token ids) pieces of the stream from the current position on (`feed_stream`)."""
+        feed_stream(self, pieces, limit=limit, on_progress=on_progress, checkpoint=checkpoint,
+                    before_cut_short=before_cut_short)
 
     @property
     def running_ppl(self) -> float:
@@ -250,6 +230,40 @@ class PerplexityRun:
         self.position, self.book, self.book_start, self.predicted = counters
         self.nll_sum, self.pending, self.digest = state["nll_sum"], state["pending"], digest
         self.curve, self.rss_samples, self.peak_rss, self.seconds = curve, rss_samples, peak_rss, seconds
+
+
+def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
+                on_progress=None, checkpoint=None, before_cut_short=None) -> None:
+    """Feed (book index, token ids) pieces of the stream to `run` (a PerplexityRun, or runs fed as the rows of one
+    batch: anything with `position`, `span`, `book_start`, `start_book(index)` and `feed_chunk(ids)`) from its
+    position on.
+
+    Forwards are cut at multiples of the span of the stream position (per book with reset_per_book), so a resumed
+    run makes exactly the forwards an uninterrupted one would. `on_progress(run, fed)` is called after every forward;
+    `checkpoint(run)` after every forward an uninterrupted longer run would also make (all but a last one that
+    `limit` cuts short: a state there would make a longer resumed run cut its forwards differently);
+    `before_cut_short(run)` once, before such a last forward (a checkpoint taken there lets a longer run resume as
+    if never stopped).
+    """
+    for index, ids in skip_tokens_of(pieces, run.position):
+        run.start_book(index)
+        offset = 0
+        while offset < ids.numel():
+            if limit is not None and run.position >= limit:
+                return
+            room = min(run.span - (run.position - run.book_start) % run.span, ids.numel() - offset)
+            cut_short = limit is not None and limit - run.position < room
+            if cut_short:
+                if before_cut_short is not None:
+                    before_cut_short(run)
+                room = limit - run.position
+            piece = ids[offset:offset + room]
+            run.feed_chunk(piece)
+            offset += piece.numel()
+            if on_progress is not None:
+                on_progress(run, piece.numel())
+            if checkpoint is not None and not cut_short:
+                checkpoint(run)
 
 
 def settings_difference(saved: dict, current: dict) -> str:

@@ -11,9 +11,10 @@ result files, the corpus against its checkpoint: `binding`), so a bad one fails 
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import platform
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,6 +22,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
+from h2o_stream.engine.cache import default_chunk_size
 from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
@@ -29,7 +31,8 @@ from h2o_stream.version import __version__
 from .binding import check_stream, data_path, model_fingerprint, plan
 from .interrupt import Interrupted, StopRequest
 from .report import plot_curves, results_in, title_of
-from .run import PerplexityRun, skip_tokens_of
+from .rows import RunRows
+from .run import PerplexityRun, default_span, skip_tokens_of
 
 REPORTS = ("ppl.png", "summary.json")
 
@@ -88,6 +91,7 @@ class Sweep:
     curve_every: int = 1000
     resume: bool = False
     command: str = ""  # recorded in every result
+    rows: int = 1  # runs per model forward: runs that share a span and stream position ride as rows of one batch
 
     def check_runs(self, model, tokenizer, model_name: str):
         """Check every run against the model, its files and the corpus (see `binding`) before any work; returns
@@ -135,35 +139,79 @@ class Sweep:
         books = ((i, torch.tensor(book_token_ids(b, tokenizer))) for i, b in enumerate(iter_books(self.data)))
         return skip_tokens_of(books, self.skip_tokens)
 
+    def groups(self) -> list[list[str]]:
+        """The run names in groups that may ride as the rows of one batch: up to `rows` runs with the same span
+        (tokens per forward), in order. A group whose runs turn out to be at different stream positions (resumed
+        from different checkpoints) is split again when it runs."""
+        if self.rows == 1:
+            return [[name] for name, _ in self.specs]
+        by_span: dict[int, list[str]] = {}
+        for name, policy in self.specs:
+            chunk = self.chunk_size or default_chunk_size(policy)
+            by_span.setdefault(self.span or default_span(chunk), []).append(name)
+        return [names[i:i + self.rows] for names in by_span.values() for i in range(0, len(names), self.rows)]
+
+    def only(self, names: list[str]) -> Sweep:
+        """This sweep with only the runs `names` (a worker's or a Ray task's share)."""
+        specs = dict(self.specs)
+        return dataclasses.replace(self, specs=[(name, specs[name]) for name in names])
+
     def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
             stop: StopRequest | None = None) -> list[dict]:
-        """Every run in turn (resumed from its checkpoint with `resume`); writes the files and returns the results of
-        every run in `out`. `note` receives one line per event worth telling a user (a run starts, resumes, runs out
-        of corpus). With `stop`, a requested stop checkpoints after the current chunk and raises `Interrupted`."""
+        """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
+        `resume`); writes the files and returns the results of every run in `out`. `note` receives one line per event
+        worth telling a user (a run starts, resumes, runs out of corpus). With `stop`, a requested stop checkpoints
+        after the current forward and raises `Interrupted`."""
         out = Path(self.out)
         new_run, plans = self.check_runs(model, tokenizer, model_name)
-        for (name, policy), start in zip(self.specs, plans):
-            if stop is not None and stop.requested:
-                raise Interrupted(stop.signum, None, None)
-            if self.resume and start.done:
-                note(f"== {name}: already done (its result file covers --tokens {self.tokens:,}); kept as it is")
-                continue
-            run = new_run(policy)
-            note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
-                 f"in forwards of {run.span}, "
-                 f"{'rolling' if self.rolling else 'no rolling'}")
-            checkpoint_path = out / f"{name}.ckpt"
-            if start.position:
-                run.load(checkpoint_path)
-                note(f"   resumed at token {run.position:,}")
-            execute(run, self.pieces(tokenizer), self.tokens, checkpoint_path, self.checkpoint_every, stop, name)
-            if not run.predicted:  # check_stream makes this unreachable; never write a NaN result
-                raise H2OStreamError(f"{name} had nothing to predict")
-            result = result_record(run, self.tokens, self.command)
-            if result["corpus_exhausted"]:
-                note(f"   the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
-            write(out / f"{name}.json", lambda path: write_json(path, result))
+        policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans))
+        for group in self.groups():
+            if self.resume:
+                for name in [name for name in group if starts[name].done]:
+                    note(f"== {name}: already done (its result file covers --tokens {self.tokens:,}); kept as it is")
+                group = [name for name in group if not starts[name].done]
+            by_position: dict[int, list[str]] = {}
+            for name in group:
+                by_position.setdefault(starts[name].position, []).append(name)
+            for names in by_position.values():
+                if stop is not None and stop.requested:
+                    raise Interrupted(stop.signum, None, None)
+                runs = [self._start(name, policies[name], new_run, starts[name].position, note) for name in names]
+                execute(runs, self.pieces(tokenizer), self.tokens, [out / f"{name}.ckpt" for name in names],
+                        self.checkpoint_every, stop, ", ".join(names))
+                for name, run in zip(names, runs):
+                    self._finish(name, run, len(runs), note)
         return write_reports(out)
+
+    def _start(self, name: str, policy: EvictionPolicy, new_run, position: int, note) -> PerplexityRun:
+        run = new_run(policy)
+        note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
+             f"in forwards of {run.span}, {'rolling' if self.rolling else 'no rolling'}")
+        if position:
+            run.load(Path(self.out) / f"{name}.ckpt")
+            note(f"   resumed at token {run.position:,}")
+        return run
+
+    def _finish(self, name: str, run: PerplexityRun, rows: int, note) -> None:
+        if not run.predicted:  # check_stream makes this unreachable; never write a NaN result
+            raise H2OStreamError(f"{name} had nothing to predict")
+        result = result_record(run, self.tokens, self.command)
+        result["rows"] = rows
+        if result["corpus_exhausted"]:
+            note(f"   {name}: the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
+        write(Path(self.out) / f"{name}.json", lambda path: write_json(path, result))
+
+
+def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: StopRequest | None = None,
+              note: Callable[[str], None] = lambda text: None) -> None:
+    """A worker's or a Ray task's share of `sweep`: load the model once with `loading` (load_model's keyword
+    arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all."""
+    from h2o_stream.loading.models import load_model
+
+    loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
+                        threads=loading["threads"])
+    for names in groups:
+        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
 
 
 def write_reports(out: Path) -> list[dict]:
@@ -177,55 +225,58 @@ def write_reports(out: Path) -> list[dict]:
     return results
 
 
-def execute(run: PerplexityRun, pieces, tokens: int, checkpoint_path: Path, checkpoint_every: int,
+def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: list[Path], checkpoint_every: int,
             stop: StopRequest | None = None, name: str | None = None) -> None:
-    """Feed `run` up to `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and
-    at the end, so that a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after
-    the current chunk and raises `Interrupted`."""
-    last_checkpoint = run.position
-    bar = tqdm(total=tokens, initial=min(run.position, tokens), unit="tok", unit_scale=True, dynamic_ncols=True,
+    """Feed `runs` (one, or several at the same stream position fed as the rows of one batch: `RunRows`) up to
+    `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and at the end, so that
+    a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after the current forward
+    and raises `Interrupted`."""
+    feeder = runs[0] if len(runs) == 1 else RunRows(runs)
+    last_checkpoint = feeder.position
+    bar = tqdm(total=tokens, initial=min(feeder.position, tokens), unit="tok", unit_scale=True, dynamic_ncols=True,
                disable=None)
 
-    def progress(r: PerplexityRun, fed: int) -> None:
+    def progress(_, fed: int) -> None:
         bar.update(fed)
-        if r.predicted:
-            bar.set_postfix(ppl=f"{r.running_ppl:.2f}", refresh=False)
+        if runs[0].predicted:
+            bar.set_postfix(ppl="/".join(f"{run.running_ppl:.2f}" for run in runs), refresh=False)
 
-    def save(r: PerplexityRun) -> None:
+    def save(_=None) -> None:
         nonlocal last_checkpoint
-        try:
-            r.save(checkpoint_path)
-        except OSError as error:
-            full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-            kept = (f"the last good checkpoint, at token {last_checkpoint:,}, is kept" if checkpoint_path.exists()
-                    else "there is no earlier checkpoint of this run")
-            raise H2OStreamError(f"could not write the checkpoint {checkpoint_path}: {error.strerror or error}{full}; "
-                                 f"no partial file is left and {kept}. Free some space and continue with --resume"
-                                 ) from None
-        last_checkpoint = r.position
+        for run, path in zip(runs, checkpoint_paths):
+            try:
+                run.save(path)
+            except OSError as error:
+                full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
+                kept = (f"the last good checkpoint, at token {last_checkpoint:,}, is kept" if path.exists()
+                        else "there is no earlier checkpoint of this run")
+                raise H2OStreamError(f"could not write the checkpoint {path}: {error.strerror or error}{full}; no "
+                                     f"partial file is left and {kept}. Free some space and continue with --resume"
+                                     ) from None
+        last_checkpoint = feeder.position
 
-    def checkpoint(r: PerplexityRun) -> None:
+    def checkpoint(_) -> None:
         if stop is not None and stop.requested:
-            save(r)
-            raise Interrupted(stop.signum, name or checkpoint_path.stem, r.position)
-        if r.position - last_checkpoint >= checkpoint_every:
-            save(r)
+            save()
+            raise Interrupted(stop.signum, name or checkpoint_paths[0].stem, feeder.position)
+        if feeder.position - last_checkpoint >= checkpoint_every:
+            save()
 
     cut_short = False
 
-    def save_before_cut(r: PerplexityRun) -> None:
-        # The last chunk is cut short by --tokens: checkpoint before it, so that a later --resume with more --tokens
-        # feeds it whole and equals an uninterrupted run.
+    def save_before_cut(_) -> None:
+        # The last forward is cut short by --tokens: checkpoint before it, so that a later --resume with more
+        # --tokens feeds it whole and equals an uninterrupted run.
         nonlocal cut_short
-        save(r)
+        save()
         cut_short = True
 
     try:
-        run.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
+        feeder.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
     finally:
         bar.close()
-    if not cut_short and run.position != last_checkpoint:
-        save(run)
+    if not cut_short and feeder.position != last_checkpoint:
+        save()
 
 
 def write(path: Path, writer: Callable[[Path], None]) -> None:

@@ -10,7 +10,6 @@ parent then raises `Interrupted` and the same command with --resume continues ev
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import queue as queues
@@ -20,7 +19,7 @@ import time
 
 from h2o_stream.errors import H2OStreamError
 from .interrupt import SIGNALS, Interrupted, StopRequest
-from .sweep import write_reports
+from .sweep import run_share, write_reports
 
 
 def auto_workers(runs: int, model, *, cores: int | None = None, available: int | None = None) -> int:
@@ -48,15 +47,17 @@ def threads_per_worker(workers: int, threads: int | None) -> int:
 
 
 def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -> list[dict]:
-    """Run `sweep`'s runs (complete specs, already checked) in `workers` processes; return every result in --out.
+    """Run `sweep`'s runs (complete specs, already checked) in `workers` processes, a group of runs (`Sweep.groups`:
+    one run unless `--rows`) at a time each; return every result in --out.
 
     `loading` is `load_model`'s keyword arguments (spec, dtype, device, threads). Raises Interrupted when a signal
     stopped the workers, H2OStreamError with a worker's message when a run failed."""
     context = multiprocessing.get_context("spawn")
     names, events = context.Queue(), context.Queue()
-    for name, _ in sweep.specs:
-        names.put(name)
-    count = min(workers, len(sweep.specs))
+    groups = sweep.groups()
+    for group in groups:
+        names.put(group)
+    count = min(workers, len(groups))
     for _ in range(count):
         names.put(None)
     loading = {**loading, "threads": threads_per_worker(workers, loading.get("threads"))}
@@ -99,26 +100,24 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
 
 
 def _work(index: int, sweep, loading: dict, names, events) -> None:
-    """One worker: load the model, then take run names until the queue's end marker (or a stop)."""
-    from h2o_stream.loading.models import load_model
-
+    """One worker: load the model, then take groups of runs (`Sweep.groups`) until the queue's end marker (or a
+    stop)."""
     # Signals come from the parent alone (a terminal's Ctrl-C would otherwise arrive twice: directly and passed on,
     # and a second signal means "stop now"); they were blocked at the start and are taken once the stop request is
     # in place, so that one arriving during start-up stops this worker before its first run.
     os.setpgrp()
     _stop_with(os.getppid())
     stop = StopRequest()
+
+    def taken():
+        while not stop.requested and (group := names.get()) is not None:
+            yield group
+            events.put((index, "note", f"{', '.join(group)} done"))
+
     try:
         with stop.catching():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-            loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
-                                threads=loading["threads"])
-            specs = dict(sweep.specs)
-            while not stop.requested and (name := names.get()) is not None:
-                alone = dataclasses.replace(sweep, specs=[(name, specs[name])])
-                alone.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop,
-                          note=lambda text: events.put((index, "note", text)))
-                events.put((index, "note", f"{name} done"))
+            run_share(sweep, taken(), loading, stop, note=lambda text: events.put((index, "note", text)))
     except Interrupted as stopped:
         events.put((index, "stopped", str(stopped)))
     except H2OStreamError as error:
