@@ -17,6 +17,7 @@ if [[ -z "${DATA:-}" ]]; then
 fi
 cd "$(dirname "$0")/.."
 python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/bench_exact.json
+python eval/bench_exact.py --threads 1 --rounds 8 --out eval/results/bench_exact_1thread.json
 python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --out eval/results/bench_ppl.json
 python eval/bench_gap.py --data "$DATA" --threads 1 --streams 4 --stream-tokens 5120 --out eval/results/bench_gap.json
 python eval/gap_vs_chunk.py --data "$DATA" --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64
@@ -35,6 +36,11 @@ h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chu
     --out eval/results/fair_chunks/chunked-c64
 h2o-stream ppl "${GAP[@]}" --policy tova --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
+# Speed: scanned forwards, workers vs threads, runs as rows of one batch, a compiled forward (each measured alone)
+python eval/bench_scan.py --data "$DATA" --policies h2o,tova,keydiff,sink
+python eval/bench_workers.py --data "$DATA" --tokens 30000 --rounds 1
+python eval/bench_rows.py --data "$DATA" --threads 1,2 --rounds 2 --tokens 2048
+python eval/bench_compile.py
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
 # Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
 # resumes from its checkpoint where this machine has one.
