@@ -10,7 +10,8 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import assert_same_runs, ppl, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from ppl_helpers import (assert_same_runs, ppl, ppl_command, ppl_model_dir,  # noqa: F401
+                         run_to_end, subprocess_env, write_corpus)
 from test_ppl_faults import wait_for
 
 from h2o_stream.files import WRITE_DELAY_ENV

@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 
-from ppl_helpers import assert_same_runs, ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from ppl_helpers import (assert_same_runs, ppl_command, ppl_model_dir, run_to_end,  # noqa: F401
+                         subprocess_env, write_corpus)
 from test_ppl_faults import wait_for
 
 from h2o_stream.files import WRITE_DELAY_ENV

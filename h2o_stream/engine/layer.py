@@ -34,6 +34,7 @@ class StreamingLayer(CacheLayerMixin):
         self.evicted = 0  # entries cut, summed over heads
         self.max_keys = 0  # the most keys any query of this layer has seen
         self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._offsets_memo: dict[tuple[int, int, int], torch.Tensor] = {}
         self._reduced: dict[int, EvictionPolicy] = {}  # the policy at smaller budgets, for fair chunks
         self.scan: list[int] | None = None  # block sizes of the forward now running, when it decides per block
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
@@ -90,7 +91,7 @@ class StreamingLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        self.scores = torch.nn.functional.pad(self.scores, (0, c))
+        self.scores = torch.cat([self.scores, self.scores.new_zeros(batch, heads, c)], dim=-1)  # pad() is slower
         if self.tokens is not None:
             new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
             self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
@@ -150,8 +151,10 @@ class StreamingLayer(CacheLayerMixin):
         if policy.needs_tokens:
             extra["tokens"] = self.tokens
         keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
-        offsets = torch.arange(batch * heads, device=keep.device).view(batch, heads, 1) * slots
-        rows = (keep + offsets).reshape(-1)
+        if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
+            flat_rows = torch.arange(batch * heads, device=keep.device)
+            self._offsets_memo[memo_key] = flat_rows.view(batch, heads, 1) * slots
+        rows = (keep + self._offsets_memo[memo_key]).reshape(-1)
         if policy.band() is not None:
             self._rows_memo[memo_key] = rows
         return rows
