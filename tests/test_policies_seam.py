@@ -13,7 +13,7 @@ from tiny_models import random_ids, tiny_model
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import EvictionPolicy, declared_options
-from h2o_stream.engine.policies.base import ages
+from h2o_stream.engine.policies.base import ages, top_slots
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 
 TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
@@ -233,3 +233,19 @@ def test_generate_with_sepllm_matches_a_manual_greedy_loop():
         tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=-1)
         logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
     assert torch.equal(got, tokens) and cache.slots == 16
+
+
+def test_top_slots_one_entry_cut_equals_the_stable_sort():
+    """The one-entry cut (exact mode's usual case) takes a shortcut; it must keep what the stable sort keeps, ties
+    going to the older entry, on tie-heavy ranks."""
+    def by_sort(ranks, count):
+        order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices
+        return order[..., :count].sort(dim=-1).values
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        m = int(torch.randint(2, 40, (1,), generator=generator))
+        ranks = torch.randint(0, 4, (2, 3, m), generator=generator).double()
+        assert torch.equal(top_slots(ranks, m - 1), by_sort(ranks, m - 1))
+        assert torch.equal(top_slots(ranks, m - 1, start=5), by_sort(ranks, m - 1) + 5)
+        assert torch.equal(top_slots(ranks, m // 2), by_sort(ranks, m // 2))
