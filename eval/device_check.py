@@ -7,7 +7,10 @@ The device machine reaches no network, so the default model cannot be fetched th
    and no logit is NaN;
 2. timings: a random model of SmolLM2-135M's exact shape (speed does not depend on the weights' values) on the
    device: tokens/s of fair chunked streaming (h2o, sink; cache 256, each policy's default chunk) against the model's
-   raw chunked forward doing the same work, and of exact mode against the raw decode step, per dtype.
+   raw chunked forward doing the same work, and of exact mode against the raw decode step, per dtype;
+3. rows (`ppl --rows`): h2o, sink, tova and a2sf as the rows of one batched forward on the device, float32 logits
+   against each cache alone (1e-3), then the SmolLM2-shaped model's sweep tokens/s as 4 rows against the 4 runs one
+   after another (scanned forwards of 256, each policy's default chunk), per dtype.
 
     python eval/device_check.py --device cuda --out $OUT/device_check.json     # on the device machine
     python eval/device_check.py --device cpu --timed-tokens 256 --out /tmp/device_check.json   # a dry run here
@@ -24,7 +27,7 @@ from common import environment, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.engine import POLICIES, default_chunk_size
+from h2o_stream.engine import POLICIES, RowsCache, default_chunk_size
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: SmolLM2-135M-Instruct's shape (its config.json)
@@ -143,6 +146,60 @@ def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
     return out
 
 
+ROW_POLICIES = ("h2o", "sink", "tova", "a2sf")
+
+
+def _row_caches(model, cache_size: int) -> list[StreamingCache]:
+    caches = []
+    for name in ROW_POLICIES:
+        policy = make_policy(name, cache_size)
+        caches.append(StreamingCache(model, policy, decide_every=default_chunk_size(policy)))
+    return caches
+
+
+@torch.no_grad()
+def rows_check(device) -> dict:
+    """Each row of a RowsCache on the device against its cache alone (float32 logits, 1e-3; the same kept entries)."""
+    model = random_llama(TINY, device, torch.float32, num_key_value_heads=2)
+    ids = torch.randint(2, TINY["vocab_size"], (1, 96), generator=torch.Generator().manual_seed(2)).to(device)
+    rows, alone = _row_caches(model, 16), _row_caches(model, 16)
+    batch, worst = RowsCache(model, rows), 0.0
+    for start in range(0, 96, 32):
+        piece = ids[:, start:start + 32]
+        logits = model(piece.expand(len(rows), -1), cache=batch).logits
+        for i, cache in enumerate(alone):
+            worst = max(worst, (logits[i] - model(piece, cache=cache).logits[0]).abs().max().item())
+    same = all(torch.equal(a.positions, b.positions) for r, c in zip(rows, alone) for a, b in zip(r.layers, c.layers))
+    return {"max_logit_difference": worst, "same_kept_entries": same, "ok": worst < 1e-3 and same}
+
+
+@torch.no_grad()
+def rows_timings(device, dtype, tokens: int, cache_size: int = 256, span: int = 256) -> dict:
+    """The SmolLM2-shaped model's sweep tokens/s: 4 runs as rows of one forward, and one after another."""
+    model = random_llama(SMOLLM2, device, dtype)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    ids = torch.randint(0, SMOLLM2["vocab_size"], (1, tokens), device=device)
+    warm = _row_caches(model, cache_size)  # kernels and allocator, for both shapes of forward
+    model(ids[:, :span].expand(len(warm), -1), cache=RowsCache(model, warm))
+    model(ids[:, :span], cache=_row_caches(model, cache_size)[0])
+    out = {}
+    for way in ("rows", "one after another"):
+        caches = _row_caches(model, cache_size)
+        sync()
+        started = time.perf_counter()
+        if way == "rows":
+            batch = RowsCache(model, caches)
+            for s in range(0, tokens, span):
+                model(ids[:, s:s + span].expand(len(caches), -1), cache=batch)
+        else:
+            for cache in caches:
+                for s in range(0, tokens, span):
+                    model(ids[:, s:s + span], cache=cache)
+        sync()
+        out[way] = len(caches) * tokens / (time.perf_counter() - started)
+    return out
+
+
 @click.command()
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--timed-tokens", default=8192, show_default=True, help="Tokens per timed chunked measurement.")
@@ -155,10 +212,14 @@ def main(device, timed_tokens, out):
     report["correctness_ok"] = all(row["ok"] for row in checks)
     report["timings_tokens_per_second"] = {name: timings(device, dtype, timed_tokens) for name, dtype in
                                            DTYPES.items() if device != "cpu" or dtype is torch.float32}
+    report["rows_check"] = rows_check(device)
+    report["rows_sweep_tokens_per_second"] = {name: rows_timings(device, dtype, timed_tokens) for name, dtype in
+                                              DTYPES.items() if device != "cpu" or dtype is torch.float32}
     report["seconds"] = time.perf_counter() - started
     write_json(out, report)
     print(f"correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok; timings: "
-          f"{report['timings_tokens_per_second']}; {report['seconds']:.0f} s")
+          f"{report['timings_tokens_per_second']}; rows {report['rows_check']}, "
+          f"{report['rows_sweep_tokens_per_second']}; {report['seconds']:.0f} s")
 
 
 if __name__ == "__main__":
