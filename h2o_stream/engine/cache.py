@@ -189,8 +189,9 @@ class StreamingCache(Cache):
             f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream")
 
     def check_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> None:
+                      attention_mask: torch.Tensor | None = None) -> tuple[list[int] | None, int, list[int] | None]:
         """Refuse (H2OStreamError) a forward this cache cannot take, changing nothing; `begin_forward`'s arguments.
+        Returns its plan for `start_forward`: (its scan blocks, its first position, every token's slot or None).
 
         Misuse is one clear error before the model runs, with the cache untouched, instead of a reshape error or
         silently wrong numbers."""
@@ -212,6 +213,7 @@ class StreamingCache(Cache):
             raise H2OStreamError(
                 f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
                 f"{last}, beyond the model's context of {self.context}; use a smaller chunk or cache")
+        return blocks, start, slots
 
     def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -221,10 +223,14 @@ class StreamingCache(Cache):
         `position_ids` / `attention_mask` what its caller passed (the cache replaces both). The forward is checked
         first (`check_forward`).
         """
-        self.check_forward(inputs, model=model, position_ids=position_ids, attention_mask=attention_mask)
+        plan = self.check_forward(inputs, model=model, position_ids=position_ids, attention_mask=attention_mask)
+        return self.start_forward(inputs, plan)
+
+    def start_forward(self, inputs: torch.Tensor, plan: tuple[list[int] | None, int, list[int] | None]
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`begin_forward` after its checks: set the layers up for the forward `check_forward` planned."""
         length = inputs.shape[1]
-        blocks = self.blocks(length)
-        start, slots = self._slots_of(length, blocks)
+        blocks, start, slots = plan
         if self.policy.needs_tokens:
             for layer in self.layers:
                 layer.pending_tokens = inputs

@@ -79,7 +79,8 @@ class RowsCache(Cache):
     def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
         """Each row's position ids (stacked) for the forward about to run; the rows' band masks are kept for the
-        attention function. Every row is checked first (`StreamingCache.check_forward`), then each begins."""
+        attention function. Every row is checked first (`StreamingCache.check_forward`), then each starts with its
+        plan."""
         if inputs.shape[0] != len(self.caches):
             raise H2OStreamError(f"this RowsCache has {len(self.caches)} rows and the forward brings a batch of "
                                  f"{inputs.shape[0]}: pass one row of tokens per cache")
@@ -87,14 +88,11 @@ class RowsCache(Cache):
         def row(tensor, i):
             return None if tensor is None else tensor[i:i + 1]
 
-        for i, cache in enumerate(self.caches):
-            cache.check_forward(inputs[i:i + 1], model=model, position_ids=row(position_ids, i),
-                                attention_mask=row(attention_mask, i))
+        plans = [cache.check_forward(inputs[i:i + 1], model=model, position_ids=row(position_ids, i),
+                                     attention_mask=row(attention_mask, i)) for i, cache in enumerate(self.caches)]
         positions = []
-        for i, cache in enumerate(self.caches):
-            position, self._masks[i] = cache.begin_forward(inputs[i:i + 1], model=model,
-                                                           position_ids=row(position_ids, i),
-                                                           attention_mask=row(attention_mask, i))
+        for i, (cache, plan) in enumerate(zip(self.caches, plans)):
+            position, self._masks[i] = cache.start_forward(inputs[i:i + 1], plan)
             positions.append(position)
         return torch.cat(positions), None
 
