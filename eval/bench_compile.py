@@ -14,7 +14,7 @@ import time
 
 import click
 import torch
-from common import environment, main_or_replot, new_figure, save_figure, setup, write_json
+from common import environment, main_or_replot, new_figure, paired_bars, save_figure, setup, write_json
 
 from h2o_stream.loading.models import load_model
 
@@ -58,13 +58,7 @@ def main(span, threads, rounds, out):
 def plot(report: dict, path: str) -> None:
     speed = report["tokens_per_second"]
     fig, ax = new_figure(1, 1, size=(4.5, 3.2))
-    width = 0.38
-    for offset, name, color in ((-width / 2, "eager", "#4c72b0"), (width / 2, "compiled", "#dd8452")):
-        ax.bar([i + offset for i in range(len(speed))], [s[name] for s in speed.values()], width, label=name,
-               color=color)
-    ax.set_xticks(range(len(speed)), [f"{count} thread(s)" for count in speed])
-    ax.set_ylabel("tokens / second")
-    ax.legend(fontsize=8)
+    paired_bars(ax, {f"{count} thread(s)": s for count, s in speed.items()}, ("eager", "compiled"), "tokens / second")
     save_figure(fig, path, f"raw {report['span']}-token forward, eager vs torch.compile")
 
 

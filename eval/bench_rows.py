@@ -15,7 +15,7 @@ import time
 
 import click
 import torch
-from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, setup
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, paired_bars, save_figure, setup
 from common import write_json
 
 from h2o_stream import make_policy
@@ -78,13 +78,8 @@ def main(policies, cache_size, tokens, threads, rounds, data, out):
 def plot(report: dict, path: str) -> None:
     speed = report["sweep_tokens_per_second"]
     fig, ax = new_figure(1, 1, size=(5, 3.2))
-    width = 0.38
-    for offset, way, color in ((-width / 2, "rows", "#4c72b0"), (width / 2, "one after another", "#dd8452")):
-        ax.bar([i + offset for i in range(len(speed))], [ways[way] for ways in speed.values()], width, label=way,
-               color=color)
-    ax.set_xticks(range(len(speed)), [f"{count} thread(s)" for count in speed])
-    ax.set_ylabel("sweep tokens / second")
-    ax.legend(fontsize=8)
+    paired_bars(ax, {f"{count} thread(s)": ways for count, ways in speed.items()}, ("rows", "one after another"),
+                "sweep tokens / second")
     save_figure(fig, path, f"{len(report['policies'])} runs ({', '.join(report['policies'])}) at cache "
                            f"{report['cache_size']}, {report['tokens_per_run']:,} tokens each")
 

@@ -69,6 +69,17 @@ def new_figure(*subplots: int, size: tuple[float, float]):
     return plt.subplots(*subplots, figsize=size)
 
 
+def paired_bars(ax, groups: dict[str, dict[str, float]], pair: tuple[str, str], ylabel: str) -> None:
+    """Two bars per group, side by side: `groups` maps each x label to {pair[0]: value, pair[1]: value}."""
+    width = 0.38
+    for offset, name, color in ((-width / 2, pair[0], "#4c72b0"), (width / 2, pair[1], "#dd8452")):
+        ax.bar([i + offset for i in range(len(groups))], [values[name] for values in groups.values()], width,
+               label=name, color=color)
+    ax.set_xticks(range(len(groups)), list(groups))
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+
+
 def save_figure(fig, path, title: str) -> None:
     """Title `fig`, write it to `path` atomically as a PNG, and free it."""
     import matplotlib.pyplot as plt

@@ -55,7 +55,7 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
         sweep = Sweep(specs(), runs, data, tokens, rolling=not no_rolling, checkpoint_every=checkpoint_every,
                       resume=True, command=shlex.join(argv), rows=rows)
         run_sweep(sweep, specs, argv, workers=workers, ray_address=ray_address, resumes_as_given=True,
-                  model_spec=model_spec, dtype=dtype, device=device, threads=threads)
+                  spec=model_spec, dtype=dtype, device=device, threads=threads)
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)

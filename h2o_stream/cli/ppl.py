@@ -73,7 +73,7 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
                   command=shlex.join(argv), rows=rows)
     results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
-                        workers=workers, ray_address=ray_address, model_spec=model_spec, dtype=dtype, device=device,
+                        workers=workers, ray_address=ray_address, spec=model_spec, dtype=dtype, device=device,
                         threads=threads)
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
@@ -93,8 +93,7 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
     sweep.check()
     note = lambda text: click.echo(text, err=True)  # noqa: E731
     with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
-        loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
-                            threads=loading["threads"])
+        loaded = load_model(**loading)
         sweep.specs = specs_with_tokenizer(loaded.tokenizer)
         stop = StopRequest()
         try:

@@ -69,11 +69,9 @@ class PerplexityRun:
     def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int | None = None, rolling: bool = True,
                  curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None,
                  record_tokens: bool = False, wide_chunks: bool = False, span: int | None = None):
-        if chunk_size is None:
-            chunk_size = default_chunk_size(policy)
+        chunk_size, span = forward_span(policy, chunk_size, span)
         if chunk_size < 1:
             raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
-        span = default_span(chunk_size) if span is None else span
         if span < 1 or span % chunk_size:
             raise H2OStreamError(f"the span (tokens per forward) must be a multiple of the chunk size {chunk_size}, "
                                  f"got {span}")
@@ -297,6 +295,12 @@ def token_pieces(texts_or_ids, tokenizer=None) -> Iterator[tuple[int, torch.Tens
     for index, item in enumerate(texts_or_ids):
         text = getattr(item, "text", item)
         yield index, torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
+
+
+def forward_span(policy: EvictionPolicy, chunk_size: int | None, span: int | None) -> tuple[int, int]:
+    """(chunk size, span) of a run: those given, else the policy's `default_chunk_size` and its `default_span`."""
+    chunk_size = default_chunk_size(policy) if chunk_size is None else chunk_size
+    return chunk_size, default_span(chunk_size) if span is None else span
 
 
 def default_span(chunk_size: int) -> int:

@@ -22,7 +22,6 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from h2o_stream.engine.cache import default_chunk_size
 from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
@@ -32,7 +31,7 @@ from .binding import check_stream, data_path, model_fingerprint, plan
 from .interrupt import Interrupted, StopRequest
 from .report import plot_curves, results_in, title_of
 from .rows import RunRows
-from .run import PerplexityRun, default_span, skip_tokens_of
+from .run import PerplexityRun, forward_span, skip_tokens_of
 
 REPORTS = ("ppl.png", "summary.json")
 
@@ -147,8 +146,7 @@ class Sweep:
             return [[name] for name, _ in self.specs]
         by_span: dict[int, list[str]] = {}
         for name, policy in self.specs:
-            chunk = self.chunk_size or default_chunk_size(policy)
-            by_span.setdefault(self.span or default_span(chunk), []).append(name)
+            by_span.setdefault(forward_span(policy, self.chunk_size, self.span)[1], []).append(name)
         return [names[i:i + self.rows] for names in by_span.values() for i in range(0, len(names), self.rows)]
 
     def only(self, names: list[str]) -> Sweep:
@@ -208,8 +206,7 @@ def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: St
     arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all."""
     from h2o_stream.loading.models import load_model
 
-    loaded = load_model(loading["model_spec"], dtype=loading["dtype"], device=loading["device"],
-                        threads=loading["threads"])
+    loaded = load_model(**loading)
     for names in groups:
         sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
 
