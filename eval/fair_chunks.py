@@ -16,6 +16,7 @@ fair_chunks/exact-2, the chunked runs into fair_chunks/chunked; then
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -33,6 +34,18 @@ from h2o_stream.loading.models import load_model
 GAP_TARGET, SPEED_TARGET = 0.01, 0.85
 
 
+def gap_standard_error(exact: dict, chunked: dict) -> float | None:
+    """Standard error of the relative gap: the spread of the log-PPL difference between the two runs over the
+    intervals between the points of their running-PPL curves (every ~curve_every predictions), over the square root
+    of the number of intervals. A chunked run's points fall at forward boundaries, up to a chunk past the exact
+    run's, so the i-th intervals are paired (the last, partial one left out). None with fewer than 3 intervals."""
+    pairs = list(zip(_intervals(exact["curve"]), _intervals(chunked["curve"])))[:-1]
+    differences = [c - e for e, c in pairs]
+    if len(differences) < 3:
+        return None
+    return statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) >= 3 else None
+
+
 def ppl_results(directory: Path) -> dict[str, dict]:
     """policy name -> its `h2o-stream ppl` result in `directory` (one run per policy there)."""
     return {result["settings"]["policy"]: result for result in results_in(directory)}
@@ -48,12 +61,19 @@ def gaps(exact_dirs: list[Path], chunked_dir: Path) -> dict[str, dict]:
         if e["stream_sha256"] != c["stream_sha256"]:
             raise click.ClickException(f"{name}: the exact and chunked runs read different streams")
         rows[name] = {"tokens": c["predicted_tokens"], "exact_ppl": e["ppl"], "chunked_ppl": c["ppl"],
-                      "relative_gap": c["ppl"] / e["ppl"] - 1, "chunk_size": c["settings"]["chunk_size"],
+                      "relative_gap": c["ppl"] / e["ppl"] - 1, "gap_standard_error": gap_standard_error(e, c),
+                      "chunk_size": c["settings"]["chunk_size"],
                       "wide_chunks": c["settings"].get("wide_chunks", True),
                       "max_keys_seen_chunked": c.get("max_keys_seen"), "max_keys_seen_exact": e.get("max_keys_seen"),
                       "exact_tokens_per_second": e["tokens_per_second"],
                       "chunked_tokens_per_second_in_run": c["tokens_per_second"]}
     return dict(sorted(rows.items()))
+
+
+def _intervals(curve: list) -> list[float]:
+    """Mean NLL between consecutive points of a running-PPL curve [(predictions, running PPL), ...]."""
+    totals = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve]
+    return [(b - a) / (m - n) for (n, a), (m, b) in zip(totals, totals[1:])]
 
 
 def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: int, round_tokens: int) -> dict:
@@ -121,7 +141,8 @@ def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, da
                           "taken while other runs shared the machine, the throughput table was measured alone"}
     for name in policies:
         g = gap.get(name)
-        text = f"gap {g['relative_gap']:+.2%} over {g['tokens']:,} tokens" if g else "gap: no runs"
+        text = (f"gap {g['relative_gap']:+.2%} (standard error {g['gap_standard_error'] or math.nan:.2%}) over "
+                f"{g['tokens']:,} tokens" if g else "gap: no runs")
         s = speed[name]
         print(f"{name:10s} C={s['chunk_size']:3d} {s['tokens_per_second']:6.1f} tok/s = "
               f"{s['ratio_vs_raw_forward']:.3f}x {s['raw_forward']}; {text}")
@@ -133,10 +154,11 @@ def plot(report: dict, path: str) -> None:
     fig, axes = new_figure(1, 2, size=(9, 3.6))
     names = list(report["throughput"])
     gap = report["gap"]
-    axes[0].bar(names, [100 * gap[n]["relative_gap"] if n in gap else 0 for n in names], color="#4c72b0")
+    axes[0].bar(names, [100 * gap[n]["relative_gap"] if n in gap else 0 for n in names], color="#4c72b0",
+                yerr=[100 * (gap.get(n, {}).get("gap_standard_error") or 0) for n in names], capsize=3)
     for sign in (1, -1):
         axes[0].axhline(sign * 100 * report["targets"]["abs_relative_gap"], color="red", linestyle="--")
-    axes[0].set_title("chunked PPL / exact PPL - 1 (%)", fontsize=9)
+    axes[0].set_title("chunked PPL / exact PPL - 1 (%), ± standard error", fontsize=9)
     axes[1].bar(names, [report["throughput"][n]["ratio_vs_raw_forward"] for n in names], color="#55a868")
     axes[1].axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
     axes[1].set_title("chunked tok/s / raw forward tok/s (same work)", fontsize=9)
