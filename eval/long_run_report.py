@@ -1,5 +1,6 @@
-"""Figure-5-style report of a long `h2o-stream ppl` run directory: running PPL and PPL per window vs tokens, the
-H2O-vs-sinks comparison per cache size, and resident memory late in the stream against early (~50k tokens).
+"""Figure-5-style report of a long `h2o-stream ppl` run directory: running PPL and PPL per window vs tokens, every
+policy against sinks at the same cache size (over the predictions both runs have made), and resident memory late in
+the stream against early (~50k tokens).
 
     python eval/long_run_report.py eval/results/pg19_long --window 50000
 """
@@ -43,30 +44,29 @@ def rss_growth(result: dict) -> dict | None:
 @click.argument("run_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--window", default=50_000, show_default=True, help="Tokens per window of the windowed PPL panel.")
 def main(run_dir, window):
-    results = [json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("*-*.json"))]
-    results = [r for r in results if "curve" in r]
-    if not results:
+    paths = sorted(Path(run_dir).glob("*-*.json"))
+    named = {p.stem: json.loads(p.read_text()) for p in paths}
+    named = {name: r for name, r in named.items() if "curve" in r}
+    if not named:
         raise click.ClickException(f"no run results (<policy>-<size>.json) in {run_dir}")
-    report = {"window": window, "runs": {}, "h2o_over_sink": {}}
-    for r in results:
-        s = r["settings"]
-        name = f"{s['policy']}-{s.get('heavy', 0) + s.get('recent', 0) + s.get('sinks', 0)}"
+    report = {"window": window, "runs": {}, "vs_sink": {}}
+    for name, r in named.items():
         report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],
                                 "windows": windows(r["curve"], window), "rss": rss_growth(r)}
-    results_by_name = dict(zip(report["runs"], results))
-    curves = {name: dict(r["curve"]) for name, r in results_by_name.items()}
+    curves = {name: dict(r["curve"]) for name, r in named.items()}
     for name in report["runs"]:
-        sink = "sink-" + name[4:]
-        if name.startswith("h2o-") and sink in curves:
+        policy, size = name.rsplit("-", 1)
+        sink = f"sink-{size}"
+        if policy != "sink" and sink in curves:
             common = max(set(curves[name]) & set(curves[sink]), default=None)  # runs may have stopped apart
             if common:
-                h2o_windows, sink_windows = (windows([c for c in results_by_name[n]["curve"] if c[0] <= common], window)
+                own_windows, sink_windows = (windows([c for c in named[n]["curve"] if c[0] <= common], window)
                                              for n in (name, sink))
-                report["h2o_over_sink"][name[4:]] = {
-                    "predicted_tokens": common, "h2o_ppl": curves[name][common], "sink_ppl": curves[sink][common],
+                report["vs_sink"][name] = {
+                    "predicted_tokens": common, "ppl": curves[name][common], "sink_ppl": curves[sink][common],
                     "ppl_ratio": curves[name][common] / curves[sink][common],
-                    "windows_h2o_better": sum(h < k for (_, h), (_, k) in zip(h2o_windows, sink_windows)),
-                    "windows_compared": len(h2o_windows)}
+                    "windows_lower_than_sink": sum(h < k for (_, h), (_, k) in zip(own_windows, sink_windows)),
+                    "windows_compared": len(own_windows)}
     print("| run | tokens | PPL | tok/s | RSS early → late |")
     print("|---|---|---|---|---|")
     for name, run in report["runs"].items():
@@ -75,21 +75,21 @@ def main(run_dir, window):
                   f"{rss['late_rss_bytes'] / 2**20:.0f} MiB @ {rss['late_tokens']:,} ({rss['ratio']:.4f}×)"
                   if rss else "-")
         print(f"| {name} | {run['tokens']:,} | {run['ppl']:.3f} | {run['tokens_per_second']:.0f} | {memory} |")
-    for size, cmp in report["h2o_over_sink"].items():
-        print(f"cache {size}: over the first {cmp['predicted_tokens']:,} predictions h2o PPL {cmp['h2o_ppl']:.3f}, "
-              f"sink {cmp['sink_ppl']:.3f} (h2o / sink = {cmp['ppl_ratio']:.4f}); h2o lower in "
-              f"{cmp['windows_h2o_better']} of {cmp['windows_compared']} windows")
+    for name, cmp in report["vs_sink"].items():
+        print(f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "
+              f"{cmp['sink_ppl']:.3f} (ratio {cmp['ppl_ratio']:.4f}); lower than sink in "
+              f"{cmp['windows_lower_than_sink']} of {cmp['windows_compared']} windows")
     write_json(Path(run_dir) / "report.json", report)
-    plot(report, results, Path(run_dir) / "figure5.png")
+    plot(report, list(named.values()), Path(run_dir) / "figure5.png")
 
 
 def plot(report: dict, results: list[dict], path: Path) -> None:
     fig, (running, windowed) = new_figure(1, 2, size=(12, 4.6))
-    colors = {}
+    colors, styles = {}, {}
     for r, (name, run) in zip(results, report["runs"].items()):
-        size = name.split("-")[1]
-        color = colors.setdefault(size, f"C{len(colors)}")
-        style = "-" if name.startswith("h2o") else "--"
+        policy, size = name.rsplit("-", 1)
+        color = colors.setdefault(policy, f"C{len(colors)}")
+        style = styles.setdefault(size, ("-", "--", ":", "-.")[len(styles) % 4])
         running.plot(*zip(*r["curve"]), style, color=color, label=f"{name} ({run['ppl']:.2f})")
         windowed.plot(*zip(*run["windows"]), style, color=color, marker=".", label=name)
     running.set_title("running perplexity (all tokens so far)", fontsize=9)
@@ -98,7 +98,8 @@ def plot(report: dict, results: list[dict], path: Path) -> None:
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    save_figure(fig, path, "H2O (solid) vs StreamingLLM sinks (dashed), SmolLM2-135M, local PG-19-style corpus")
+    save_figure(fig, path, "running and windowed perplexity per run (colour: policy, line: cache size), SmolLM2-135M, "
+                           "local PG-19-style corpus")
 
 
 if __name__ == "__main__":
