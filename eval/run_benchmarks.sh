@@ -36,15 +36,32 @@ h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chu
     --out eval/results/fair_chunks/chunked-c64
 h2o-stream ppl "${GAP[@]}" --policy tova --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
+# tova, the one policy past the 1% gap at 20k tokens: exact and chunked over 60k (fresh runs, the gap's standard error)
+GAP60=(--data "$DATA" --tokens 60000 --cache-size 256 --threads 1 --resume --policy tova)
+h2o-stream ppl --exact "${GAP60[@]}" --out eval/results/fair_chunks/tova-60k/exact &
+h2o-stream ppl "${GAP60[@]}" --out eval/results/fair_chunks/tova-60k/chunked &
+wait
+python eval/fair_chunks.py --data "$DATA" --policies tova --exact-dir eval/results/fair_chunks/tova-60k/exact \
+    --chunked-dir eval/results/fair_chunks/tova-60k/chunked --throughput-from eval/results/fair_chunks.json \
+    --out eval/results/fair_chunks_tova_60k.json
 # Speed: scanned forwards, workers vs threads, runs as rows of one batch, a compiled forward (each measured alone)
 python eval/bench_scan.py --data "$DATA" --policies h2o,tova,keydiff,sink
 python eval/bench_workers.py --data "$DATA" --tokens 30000 --rounds 1
 python eval/bench_rows.py --data "$DATA" --threads 1,2 --rounds 2 --tokens 2048
 python eval/bench_compile.py
+python eval/profile_ppl.py --before 1c91960^ --data "$DATA" --out eval/results/profile_ppl.json  # before scanning
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
 # Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
 # resumes from its checkpoint where this machine has one.
 h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/results/leaderboard
+# The long fair-chunk runs at 256 (eval/results/long_fair): the best two of the leaderboard (sink, sepllm) and h2o to
+# 1,048,576 tokens, then h2o and sink on to the 4M headline. They were seeded with the leaderboard's 250k checkpoints
+# (cp eval/results/leaderboard/runs/{sink,sepllm,h2o}-256.{ckpt,json} eval/results/long_fair/), which gives the same
+# result as starting from zero: --resume continues exactly. Their checkpoints are committed (see the README).
+LONG_FAIR=(--data "$DATA" --cache-size 256 --threads 1 --out eval/results/long_fair --resume)
+h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,sepllm,h2o --tokens 1048576 --workers 2
+h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,h2o --tokens 4000000 --workers 2
+python eval/long_run_report.py eval/results/long_fair --window 100000
 # The long runs below were made before fair chunks (chunk 256 with the whole cache visible, i.e. --wide-chunks; the
 # 128 runs with a chunk wider than their cache, which ppl now refuses): the settings to reproduce them exactly.
 # h2o and sink as one-thread processes side by side, checkpointed every 20k tokens.
