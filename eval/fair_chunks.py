@@ -43,7 +43,7 @@ def gap_standard_error(exact: dict, chunked: dict) -> float | None:
     differences = [c - e for e, c in pairs]
     if len(differences) < 3:
         return None
-    return statistics.stdev(differences) / math.sqrt(len(differences)) if len(differences) >= 3 else None
+    return statistics.stdev(differences) / math.sqrt(len(differences))
 
 
 def ppl_results(directory: Path) -> dict[str, dict]:

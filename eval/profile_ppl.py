@@ -34,18 +34,14 @@ import torch
 sys.path.insert(0, sys.argv[1])
 from h2o_stream import make_policy
 from h2o_stream.apps.perplexity.run import PerplexityRun
-from h2o_stream.loading.corpus import book_token_ids, iter_books
 from h2o_stream.loading.models import load_model
+sys.path.insert(1, sys.argv[8])
+from common import corpus_tokens  # eval/common.py, over the commit's h2o_stream
 policy_name, exact, data = sys.argv[2], sys.argv[3] == "1", sys.argv[6]
 tokens, threads, cache = int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[7])
 torch.set_num_threads(threads)
 loaded = load_model(None)
-ids = []
-for book in iter_books(data):
-    ids.extend(book_token_ids(book, loaded.tokenizer))
-    if len(ids) >= 2 * tokens:
-        break
-ids = torch.tensor(ids[:2 * tokens])
+ids = corpus_tokens(loaded.tokenizer, 2 * tokens, data)
 run = PerplexityRun(loaded.model, make_policy(policy_name, cache), chunk_size=1 if exact else None)
 run.run([(0, ids)], limit=tokens)  # warm-up: the cache full, every lazy allocation made
 profile = cProfile.Profile()
@@ -72,7 +68,8 @@ print(json.dumps({"seconds": seconds, "tokens": tokens, "profiled_seconds": grou
 def profile_once(source: Path, policy: str, exact: bool, tokens: int, threads: int, data: str, cache: int) -> dict:
     """One contender at one commit, in a fresh interpreter; its profile grouped (see the module docstring)."""
     done = subprocess.run([sys.executable, "-c", CHILD, str(source), policy, "1" if exact else "0", str(tokens),
-                           str(threads), data, str(cache)], capture_output=True, text=True, check=False)
+                           str(threads), data, str(cache), str(Path(__file__).resolve().parent)],
+                          capture_output=True, text=True, check=False)
     if done.returncode:
         raise click.ClickException(f"the profile of {policy} at {source} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
