@@ -1,6 +1,6 @@
 """Figure-5-style report of a long `h2o-stream ppl` run directory: running PPL and PPL per window vs tokens, every
 policy against sinks at the same cache size (over the predictions both runs have made), and resident memory late in
-the stream against early (~50k tokens).
+the stream against early (~50k tokens into the run's last process, where the result records its processes).
 
     python eval/long_run_report.py eval/results/pg19_long --window 50000
 """
@@ -31,13 +31,20 @@ def windows(curve: list, width: int) -> list[tuple[int, float]]:
 
 
 def rss_growth(result: dict) -> dict | None:
-    samples = result["rss_samples"]
-    early = next(((p, r) for p, r in samples if p >= EARLY_RSS_AT), None)
-    if early is None or samples[-1][0] <= early[0]:
+    """Resident memory late in the run against early: within the run's last process when the result says where its
+    processes began (`process_starts`; the early sample then is the first at or after EARLY_RSS_AT tokens of that
+    process), else over the samples as they are, which may come from several processes (`within_one_process`
+    False)."""
+    samples, starts = result["rss_samples"], result.get("process_starts")
+    start = starts[-1] if starts else 0
+    own = [(p, r) for p, r in samples if p > start] if starts else samples
+    early = next(((p, r) for p, r in own if p - start >= EARLY_RSS_AT), None)
+    if early is None or own[-1][0] <= early[0]:
         return None
-    late = samples[-1]
+    late = own[-1]
     return {"early_tokens": early[0], "early_rss_bytes": early[1], "late_tokens": late[0], "late_rss_bytes": late[1],
-            "ratio": late[1] / early[1]}
+            "ratio": late[1] / early[1], "process_start": start if starts else None,
+            "within_one_process": bool(starts)}
 
 
 @click.command()
@@ -72,8 +79,8 @@ def main(run_dir, window):
     for name, run in report["runs"].items():
         rss = run["rss"]
         memory = (f"{rss['early_rss_bytes'] / 2**20:.0f} MiB @ {rss['early_tokens']:,} → "
-                  f"{rss['late_rss_bytes'] / 2**20:.0f} MiB @ {rss['late_tokens']:,} ({rss['ratio']:.4f}×)"
-                  if rss else "-")
+                  f"{rss['late_rss_bytes'] / 2**20:.0f} MiB @ {rss['late_tokens']:,} ({rss['ratio']:.4f}×"
+                  f"{'' if rss['within_one_process'] else ', several processes'})" if rss else "-")
         print(f"| {name} | {run['tokens']:,} | {run['ppl']:.3f} | {run['tokens_per_second']:.0f} | {memory} |")
     for name, cmp in report["vs_sink"].items():
         print(f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "

@@ -11,9 +11,9 @@ from ppl_helpers import TEXT, ppl, ppl_error, ppl_model_dir, result, snapshot, w
 from tiny_models import char_tokenizer, tiny_model
 
 from h2o_stream import make_policy
-from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION, PerplexityRun, token_pieces
 from h2o_stream.apps.perplexity.sweep import execute
-from h2o_stream.files import write_json
+from h2o_stream.files import write_json, write_verified
 
 
 @pytest.fixture
@@ -99,10 +99,10 @@ def tiny_lm():
     return tiny_model("llama", init_std=0.2), char_tokenizer()
 
 
-def extend(tiny_lm, policy, books, checkpoint, tokens, every) -> PerplexityRun:
+def extend(tiny_lm, policy, books, checkpoint, tokens, every, span=None) -> PerplexityRun:
     """`ppl --tokens TOKENS --checkpoint-every EVERY` (with --resume when `checkpoint` exists), as the sweep runs it."""
     model, tokenizer = tiny_lm
-    run = PerplexityRun(model, make_policy(policy, 16), chunk_size=16, curve_every=50)
+    run = PerplexityRun(model, make_policy(policy, 16), chunk_size=16, span=span, curve_every=50)
     if checkpoint.exists():
         run.load(checkpoint)
     execute([run], token_pieces(books, tokenizer), tokens, [checkpoint], every)
@@ -126,6 +126,29 @@ def test_extending_equals_one_run_for_any_tokens_and_checkpoint_pace(tiny_lm, po
         assert extended.nll_sum.item() == whole.nll_sum.item(), (first, second, every)
         assert extended.curve == whole.curve and extended.predicted == whole.predicted
 
+
+
+def test_memory_is_sampled_within_each_process_of_a_resumed_run(tiny_lm, tmp_path):
+    """RSS is sampled at doublings of the stream position and of the tokens the current process fed, and at the
+    end, and each resume records where its process began: growth can then be read within one process."""
+    books, checkpoint = [TEXT[:150], TEXT[:200]], tmp_path / "run.ckpt"
+    first = extend(tiny_lm, "h2o", books, checkpoint, 100, 16, span=16)
+    assert first.process_starts == [0]
+    assert [n for n, _ in first.result().rss_samples] == [16, 32, 64, 100]  # 100: the end
+    second = extend(tiny_lm, "h2o", books, checkpoint, 320, 16, span=16)
+    # the first run's checkpoint is at 96, where an uninterrupted run's forward would end (not 100, cut short)
+    assert second.process_starts == [0, 96]
+    positions = [n for n, _ in second.result().rss_samples]
+    # 16, 32, 64: the first process (its end sample is not checkpointed); 112: the resumed process's first forward;
+    # 128 and 160 double the 16 tokens it had fed then, 224 the 64 of 160; 320: the end
+    assert positions == [16, 32, 64, 112, 128, 160, 224, 320]
+    record = second.result().to_json()
+    assert record["process_starts"] == [0, 96] and record["peak_rss_bytes"] >= max(b for _, b in record["rss_samples"])
+    # a checkpoint from before process_starts was recorded: only the resumes since count
+    state = first.read(checkpoint)
+    del state["process_starts"]
+    write_verified(checkpoint, CHECKPOINT_KIND, CHECKPOINT_VERSION, state)
+    assert extend(tiny_lm, "h2o", books, checkpoint, 330, 16, span=16).process_starts == [320]
 
 # -- item 8: nothing to predict is an error, and no JSON file ever holds NaN ----------------------------------------
 

@@ -40,6 +40,7 @@ class PerplexityResult:
     seconds: float
     peak_rss_bytes: int
     rss_samples: list[tuple[int, int]] = field(default_factory=list)
+    process_starts: list[int] = field(default_factory=list)  # where each process of the run began (see PerplexityRun)
     max_keys_seen: int = 0  # the most keys any query attended to (budget + 1 in exact and fair chunked mode)
     span: int | None = None  # tokens per model forward (a multiple of the chunk size; None: not recorded)
 
@@ -59,8 +60,8 @@ class PerplexityResult:
         return {"settings": self.settings, "tokens_fed": self.tokens_fed, "predicted_tokens": self.predicted,
                 "nll_sum": self.nll_sum, "mean_nll": self.mean_nll, "ppl": self.ppl, "seconds": self.seconds,
                 "tokens_per_second": self.tokens_per_second, "peak_rss_bytes": self.peak_rss_bytes,
-                "rss_samples": self.rss_samples, "max_keys_seen": self.max_keys_seen, "span": self.span,
-                "curve": self.curve}
+                "rss_samples": self.rss_samples, "process_starts": self.process_starts,
+                "max_keys_seen": self.max_keys_seen, "span": self.span, "curve": self.curve}
 
 
 class PerplexityRun:
@@ -101,7 +102,12 @@ class PerplexityRun:
         self.nll_sum = torch.zeros((), dtype=torch.float64)
         self.pending: torch.Tensor | None = None  # logits predicting the next token
         self.curve: list[tuple[int, float]] = []
+        # RSS (stream position, bytes) at doublings of the stream position and of the tokens the current process has
+        # fed, and at the end, so that memory growth can be read within one process of a run that spans several.
         self.rss_samples: list[tuple[int, int]] = []
+        # Stream positions at which the run's processes began: 0, then one per resume (checkpoints from before this
+        # was recorded contribute only the resumes since).
+        self.process_starts: list[int] = [0]
         self.peak_rss = 0
         self.seconds = 0.0
         self.token_nll: list[torch.Tensor] | None = [] if record_tokens else None  # per-token NLLs, for tests
@@ -136,9 +142,15 @@ class PerplexityRun:
         self.position += ids.numel()
         if self.predicted // self.curve_every > before // self.curve_every:
             self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))
+        self._sample_memory()
+
+    def _sample_memory(self) -> None:
         rss = psutil.Process().memory_info().rss
         self.peak_rss = max(self.peak_rss, rss)
-        if not self.rss_samples or self.position >= 2 * self.rss_samples[-1][0]:
+        start = self.process_starts[-1]
+        last = self.rss_samples[-1][0] if self.rss_samples else 0
+        own = last - start if last > start else 0  # tokens this process had fed at its last sample (0: none yet)
+        if not own or self.position >= 2 * last or self.position - start >= 2 * own:
             self.rss_samples.append((self.position, rss))
 
     def start_book(self, index: int) -> None:
@@ -161,10 +173,13 @@ class PerplexityRun:
     def result(self) -> PerplexityResult:
         if self.predicted and (not self.curve or self.curve[-1][0] != self.predicted):
             self.curve.append((self.predicted, math.exp(self.nll_sum.item() / self.predicted)))
+        samples = list(self.rss_samples)
+        if self.position and (not samples or samples[-1][0] != self.position):  # the end, however it falls
+            samples.append((self.position, psutil.Process().memory_info().rss))
         return PerplexityResult(settings=self.settings, tokens_fed=self.position, predicted=self.predicted,
                                 nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
-                                peak_rss_bytes=self.peak_rss, rss_samples=list(self.rss_samples),
-                                max_keys_seen=self.cache.max_keys_seen, span=self.span)
+                                peak_rss_bytes=max([self.peak_rss, *(b for _, b in samples)]), rss_samples=samples,
+                                process_starts=list(self.process_starts), max_keys_seen=self.cache.max_keys_seen, span=self.span)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -172,7 +187,7 @@ class PerplexityRun:
         return {"settings": self.settings, "position": self.position, "book": self.book,
                 "book_start": self.book_start, "predicted": self.predicted, "nll_sum": self.nll_sum,
                 "pending": self.pending, "curve": self.curve, "rss_samples": self.rss_samples,
-                "peak_rss": self.peak_rss, "seconds": self.seconds, "stream": self.digest.state(),
+                "process_starts": self.process_starts, "peak_rss": self.peak_rss, "seconds": self.seconds, "stream": self.digest.state(),
                 "cache": self.cache.state()}
 
     def save(self, path: str | os.PathLike) -> None:
@@ -218,6 +233,9 @@ class PerplexityRun:
                 raise ValueError("the stream digest does not cover the position")
             curve = [(int(n), float(p)) for n, p in state["curve"]]
             rss_samples = [(int(n), int(b)) for n, b in state["rss_samples"]]
+            starts = [int(n) for n in state.get("process_starts", [])]  # absent in checkpoints made before it
+            if any(n > state["position"] for n in starts):
+                raise ValueError("a process start beyond the position")
             peak_rss, seconds = int(state["peak_rss"]), float(state["seconds"])
             self.cache.load_state(state["cache"])
         except H2OStreamError:
@@ -228,6 +246,8 @@ class PerplexityRun:
         self.position, self.book, self.book_start, self.predicted = counters
         self.nll_sum, self.pending, self.digest = state["nll_sum"], state["pending"], digest
         self.curve, self.rss_samples, self.peak_rss, self.seconds = curve, rss_samples, peak_rss, seconds
+        # a resume adds its position (once: a process that resumed and fed nothing before it stopped adds nothing)
+        self.process_starts = starts if starts[-1:] == [self.position] else [*starts, self.position]
 
 
 def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,

@@ -3,7 +3,9 @@
 Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result), `ppl.png` and `summary.json`
 (both over every run result in the directory, not only this call's). A result is `PerplexityResult.to_json()` plus
 `requested_tokens`, `corpus_exhausted` (the corpus ended first), `stream_sha256` (digest of the tokens fed),
-`versions` (h2o_stream, torch, transformers, python, threads) and `command`.
+`versions` (h2o_stream, torch, transformers, python, threads) and `command`. Its `rss_samples` are (stream position,
+resident bytes) at doublings of the position and of the tokens the current process fed, and at the end;
+`process_starts` says where each of the run's processes began (a resumed run's memory is comparable within one).
 
 Every run is checked before the first one starts (its policy, budget and chunk against the model, its checkpoint and
 result files, the corpus against its checkpoint: `binding`), so a bad one fails before any work or any write.
