@@ -129,7 +129,11 @@ def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, da
     policies = policies.split(",")
     if throughput_from:
         earlier = json.loads(Path(throughput_from).read_text())
-        speed, measured = earlier["throughput"], earlier["environment"]
+        missing = [name for name in policies if name not in earlier["throughput"]]
+        if missing:
+            raise click.ClickException(f"{throughput_from} has no throughput for {', '.join(missing)}")
+        speed = {name: earlier["throughput"][name] for name in policies}  # only this report's policies
+        measured = earlier["environment"]
     else:
         speed, measured = throughput(loaded, policies, cache_size, data, rounds, round_tokens), environment()
     gap = gaps([Path(d) for d in exact_dirs], Path(chunked_dir))

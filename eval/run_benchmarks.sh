@@ -44,6 +44,14 @@ wait
 python eval/fair_chunks.py --data "$DATA" --policies tova --exact-dir eval/results/fair_chunks/tova-60k/exact \
     --chunked-dir eval/results/fair_chunks/tova-60k/chunked --throughput-from eval/results/fair_chunks.json \
     --out eval/results/fair_chunks_tova_60k.json
+# h2o over the same 60k, for comparison (the exact run was resumed from 20k and from 40,960: resuming is exact)
+GAP60H=(--data "$DATA" --tokens 60000 --cache-size 256 --threads 1 --resume --policy h2o)
+h2o-stream ppl --exact "${GAP60H[@]}" --out eval/results/fair_chunks/h2o-60k/exact &
+h2o-stream ppl "${GAP60H[@]}" --out eval/results/fair_chunks/h2o-60k/chunked &
+wait
+python eval/fair_chunks.py --data "$DATA" --policies h2o --exact-dir eval/results/fair_chunks/h2o-60k/exact \
+    --chunked-dir eval/results/fair_chunks/h2o-60k/chunked --throughput-from eval/results/fair_chunks.json \
+    --out eval/results/fair_chunks_h2o_60k.json
 # Speed: scanned forwards, workers vs threads, runs as rows of one batch, a compiled forward (each measured alone)
 python eval/bench_scan.py --data "$DATA" --policies h2o,tova,keydiff,sink
 python eval/bench_workers.py --data "$DATA" --tokens 30000 --rounds 1
