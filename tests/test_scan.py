@@ -96,6 +96,53 @@ def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
     assert calls == []
 
 
+
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
+    """`cuts_nest`: cutting to the budget, then with `reduced(b)`, keeps what one cut with `reduced(b)` keeps, for
+    streams with tied scores; a policy that does not declare it (keydiff) is shown not to have it."""
+    spec = build(policy, 16)
+    generator = torch.Generator().manual_seed(7)
+    nested_everywhere = True
+    for trial in range(40):
+        n, kept = 17 + trial % 4, 16 - trial % 12  # a fair chunk's cut: from up to budget + C entries to budget + 1 - C
+        positions = torch.arange(100, 100 + n).expand(2, 3, n)  # ascending stream positions, as the cache keeps them
+        scores = torch.randint(0, 4, (2, 3, n), generator=generator).double()  # few values: many ties
+        extra = {"keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
+                 "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}  # ids 3 and 4 are separators
+        taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
+
+        def keep(p, slots):  # p's choice among the entries at `slots` (1-D), as slots of that subset
+            return p.keep(positions[..., slots], scores[..., slots] if p.needs_scores else None,
+                          **{k: v[:, :, slots] for k, v in taken.items()})
+
+        everything = torch.arange(n)
+        first = spec.keep(positions, scores if spec.needs_scores else None, **taken)
+        reduced = spec.reduced(kept)
+        for b in range(2):
+            for h in range(3):
+                survivors = first[b, h]
+                twice = survivors[keep(reduced, survivors)[b, h]]
+                once = keep(reduced, everything)[b, h]
+                nested_everywhere = nested_everywhere and torch.equal(twice, once)
+    assert nested_everywhere == spec.cuts_nest
+
+
+@pytest.mark.parametrize("policy, cuts_per_layer", [("h2o", 5 + 1), ("keydiff", 2 * 5)])
+def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per_layer):
+    """In a scanned fair forward of 5 blocks over a full cache, h2o cuts once before each block and once at the end
+    (the end's cut to the budget stays: the cache is at its budget between forwards); keydiff twice per block."""
+    from h2o_stream.engine.layer import StreamingLayer
+    model = tiny_model("llama")
+    cache = StreamingCache(model, build(policy, 8), decide_every=4)
+    model(random_ids(8), cache=cache)
+    cuts = []
+    cut = StreamingLayer._cut
+    monkeypatch.setattr(StreamingLayer, "_cut", lambda layer, p: cuts.append(p.budget) or cut(layer, p))
+    model(random_ids(20), cache=cache)
+    layers = len(cache.layers)
+    assert len(cuts) == cuts_per_layer * layers and all(layer.slots == 8 for layer in cache.layers)
+
 def test_decide_every_is_checked():
     model = tiny_model("llama")
     with pytest.raises(H2OStreamError, match="at least 1"):

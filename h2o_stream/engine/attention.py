@@ -3,6 +3,8 @@ for chunked sink attention. Pure tensor functions; the cache and the hooks that 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
@@ -66,6 +68,15 @@ def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+@functools.lru_cache(maxsize=64)
+def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """(1, 1, q_len, k_len): 0 where the query at k_len - q_len + i may see key j (j <= that position), -inf elsewhere.
+    Memoised: a scanned forward needs the same few shapes in every layer and block. Never modify the result."""
+    rows = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)
+    visible = torch.arange(k_len, device=device) <= rows
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None, None]
 
 
 def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor | None:

@@ -18,8 +18,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import (_full_mask, attend_with_scores, attend_with_sink_queries, fused_sink_attention_applies,
-                        layer_mean, sink_queries)
+from .attention import (_full_mask, attend_with_scores, attend_with_sink_queries, causal_additive_mask,
+                        fused_sink_attention_applies, layer_mean, sink_queries)
 
 ATTENTION_NAME = "h2o_stream"
 _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
@@ -84,7 +84,7 @@ def _scan(layer, query, scaling, softcap):
     try:
         for length in layer.scan:
             key, value = layer.open_block(start, length)
-            mask = _full_mask(None, length, key.shape[-2], query.device)
+            mask = causal_additive_mask(length, key.shape[-2], query.device, query.dtype)
             outputs.append(_attend(layer, query[..., start:start + length, :], key, value, mask, scaling, softcap))
             start += length
     finally:

@@ -39,6 +39,7 @@ class StreamingLayer(CacheLayerMixin):
         self.scan: list[int] | None = None  # block sizes of the forward now running, when it decides per block
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
+        self._block_is_last = True  # whether the block now attending is the last of the scanned forward
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -75,12 +76,14 @@ class StreamingLayer(CacheLayerMixin):
         if self.scan_fair and self.slots:
             self.make_room(length)
         keys, values = self._incoming
+        self._block_is_last = start + length == keys.shape[-2]
         tokens = None if self.pending_tokens is None else self.pending_tokens[:, start:start + length]
         block = slice(start, start + length)
         return self._append(keys[..., block, :], values[..., block, :], tokens)
 
     def close_scan(self) -> None:
         self._incoming = None
+        self._block_is_last = True
 
     def _append(self, key_states, value_states, tokens):
         n, c = self.slots, key_states.shape[-2]
@@ -110,6 +113,8 @@ class StreamingLayer(CacheLayerMixin):
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
+        if self.scan_fair and not self._block_is_last and self.policy.cuts_nest:
+            return  # the next block's make_room cuts once, to where this cut and its own would end together
         self._cut(self.policy)
 
     def make_room(self, length: int) -> None:

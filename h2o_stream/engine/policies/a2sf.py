@@ -31,6 +31,7 @@ class A2SFPolicy(EvictionPolicy):
     name = "a2sf"
     needs_scores = True
     parts = (HEAVY, RECENT)
+    cuts_nest = True
     options = (Setting("alpha", "forgetting factor in (0, 1]: scores are multiplied by it at every step", 0.95),)
 
     def __post_init__(self):

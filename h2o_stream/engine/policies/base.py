@@ -114,6 +114,11 @@ class EvictionPolicy(ABC):
     needs_tokens: ClassVar[bool] = False
     #: whether building the policy needs the model's tokenizer (see `tokenizer_settings`)
     needs_tokenizer: ClassVar[bool] = False
+    #: whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
+    #: (the scores unchanged in between). True when `keep` takes the top of one fixed order of the entries, apart from
+    #: sinks and a recent window that only shrink when reduced (h2o, a2sf, tova, sepllm); not for keydiff, whose
+    #: anchor is the mean of the keys held. A scanned fair forward then cuts once between blocks instead of twice.
+    cuts_nest: ClassVar[bool] = False
     #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`): small enough that
     #: chunked perplexity stays within 1% of exact mode's (measured per policy, eval/results/fair_chunks.json)
     fair_chunk_share: ClassVar[float] = 1 / 16

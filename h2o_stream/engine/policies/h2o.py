@@ -22,6 +22,7 @@ class H2OPolicy(EvictionPolicy):
     name = "h2o"
     needs_scores = True
     parts = (HEAVY, RECENT)
+    cuts_nest = True
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]

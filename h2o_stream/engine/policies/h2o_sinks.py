@@ -26,6 +26,7 @@ class H2OSinksPolicy(EvictionPolicy):
     name = "h2o_sinks"
     needs_scores = True
     parts = (SINKS, HEAVY, RECENT)
+    cuts_nest = True
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.

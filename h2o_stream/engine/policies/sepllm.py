@@ -52,6 +52,7 @@ class SepLLMPolicy(EvictionPolicy):
     name = "sepllm"
     needs_tokens = True
     needs_tokenizer = True
+    cuts_nest = True
     parts = (SINKS, Part("separators", "separator-token slots, the most recent punctuation/newline tokens",
                          share=0.2), RECENT)
 

@@ -30,6 +30,7 @@ class TOVAPolicy(EvictionPolicy):
     name = "tova"
     needs_scores = True
     score_queries = "last"
+    cuts_nest = True
     parts = (Part("states", "TOVA's states: slots ranked by the current query's attention"),)
     options = (Setting("per_head", "decide per KV head instead of once per layer (TOVA averages over the "
                                    "layer's heads)", False),)
