@@ -68,8 +68,14 @@ h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/res
 # result as starting from zero: --resume continues exactly. Their checkpoints are committed (see the README).
 LONG_FAIR=(--data "$DATA" --cache-size 256 --threads 1 --out eval/results/long_fair --resume)
 h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,sepllm,h2o --tokens 1048576 --workers 2
-h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,h2o --tokens 4000000 --workers 2
+# 128 and 512 to 1M the same way, from the leaderboard's {sink,h2o}-{128,512} checkpoints
+h2o-stream ppl "${LONG_FAIR[@]/256/128,512}" --policy sink,h2o --tokens 1048576 --workers 2
 python eval/long_run_report.py eval/results/long_fair --window 100000
+# The 4M headline (eval/results/long_4m): sink and h2o at 256 continue from their 1M checkpoints
+# (cp eval/results/long_fair/{sink,h2o}-256.{ckpt,json} eval/results/long_4m/). A resumed process records where it
+# began (process_starts in the result), so memory growth is read within the last process.
+h2o-stream ppl "${LONG_FAIR[@]/long_fair/long_4m}" --policy sink,h2o --tokens 4000000 --workers 2
+python eval/long_run_report.py eval/results/long_4m --window 200000
 # The long runs below were made before fair chunks (chunk 256 with the whole cache visible, i.e. --wide-chunks; the
 # 128 runs with a chunk wider than their cache, which ppl now refuses): the settings to reproduce them exactly.
 # h2o and sink as one-thread processes side by side, checkpointed every 20k tokens.
