@@ -36,22 +36,18 @@ h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chu
     --out eval/results/fair_chunks/chunked-c64
 h2o-stream ppl "${GAP[@]}" --policy tova --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
-# tova, the one policy past the 1% gap at 20k tokens: exact and chunked over 60k (fresh runs, the gap's standard error)
-GAP60=(--data "$DATA" --tokens 60000 --cache-size 256 --threads 1 --resume --policy tova)
-h2o-stream ppl --exact "${GAP60[@]}" --out eval/results/fair_chunks/tova-60k/exact &
-h2o-stream ppl "${GAP60[@]}" --out eval/results/fair_chunks/tova-60k/chunked &
-wait
-python eval/fair_chunks.py --data "$DATA" --policies tova --exact-dir eval/results/fair_chunks/tova-60k/exact \
-    --chunked-dir eval/results/fair_chunks/tova-60k/chunked --throughput-from eval/results/fair_chunks.json \
-    --out eval/results/fair_chunks_tova_60k.json
-# h2o over the same 60k, for comparison (the exact run was resumed from 20k and from 40,960: resuming is exact)
-GAP60H=(--data "$DATA" --tokens 60000 --cache-size 256 --threads 1 --resume --policy h2o)
-h2o-stream ppl --exact "${GAP60H[@]}" --out eval/results/fair_chunks/h2o-60k/exact &
-h2o-stream ppl "${GAP60H[@]}" --out eval/results/fair_chunks/h2o-60k/chunked &
-wait
-python eval/fair_chunks.py --data "$DATA" --policies h2o --exact-dir eval/results/fair_chunks/h2o-60k/exact \
-    --chunked-dir eval/results/fair_chunks/h2o-60k/chunked --throughput-from eval/results/fair_chunks.json \
-    --out eval/results/fair_chunks_h2o_60k.json
+# tova, the one policy past the 1% gap at 20k tokens, and h2o for comparison: exact and chunked over 60k (the gap's
+# standard error). tova's runs are fresh; h2o's exact run was resumed at 20k and at 40,960 (resuming is exact).
+for policy in tova h2o; do
+    GAP60=(--data "$DATA" --tokens 60000 --cache-size 256 --threads 1 --resume --policy "$policy")
+    h2o-stream ppl --exact "${GAP60[@]}" --out "eval/results/fair_chunks/$policy-60k/exact" &
+    h2o-stream ppl "${GAP60[@]}" --out "eval/results/fair_chunks/$policy-60k/chunked" &
+    wait
+    runs="eval/results/fair_chunks/$policy-60k"
+    python eval/fair_chunks.py --data "$DATA" --policies "$policy" --exact-dir "$runs/exact" \
+        --chunked-dir "$runs/chunked" --throughput-from eval/results/fair_chunks.json \
+        --out "eval/results/fair_chunks_${policy}_60k.json"
+done
 # Speed: scanned forwards, workers vs threads, runs as rows of one batch, a compiled forward (each measured alone)
 python eval/bench_scan.py --data "$DATA" --policies h2o,tova,keydiff,sink
 python eval/bench_workers.py --data "$DATA" --tokens 30000 --rounds 1
