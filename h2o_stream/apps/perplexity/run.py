@@ -179,7 +179,8 @@ class PerplexityRun:
         return PerplexityResult(settings=self.settings, tokens_fed=self.position, predicted=self.predicted,
                                 nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
                                 peak_rss_bytes=max([self.peak_rss, *(b for _, b in samples)]), rss_samples=samples,
-                                process_starts=list(self.process_starts), max_keys_seen=self.cache.max_keys_seen, span=self.span)
+                                process_starts=list(self.process_starts), max_keys_seen=self.cache.max_keys_seen,
+                                span=self.span)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:
@@ -187,8 +188,8 @@ class PerplexityRun:
         return {"settings": self.settings, "position": self.position, "book": self.book,
                 "book_start": self.book_start, "predicted": self.predicted, "nll_sum": self.nll_sum,
                 "pending": self.pending, "curve": self.curve, "rss_samples": self.rss_samples,
-                "process_starts": self.process_starts, "peak_rss": self.peak_rss, "seconds": self.seconds, "stream": self.digest.state(),
-                "cache": self.cache.state()}
+                "process_starts": self.process_starts, "peak_rss": self.peak_rss, "seconds": self.seconds,
+                "stream": self.digest.state(), "cache": self.cache.state()}
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic and verified: a killed or failed write (OSError, e.g. a full disk) leaves the previous checkpoint
