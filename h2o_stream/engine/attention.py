@@ -71,12 +71,18 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 
 @functools.lru_cache(maxsize=64)
-def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """(1, 1, q_len, k_len): 0 where the query at k_len - q_len + i may see key j (j <= that position), -inf elsewhere.
-    Memoised: a scanned forward needs the same few shapes in every layer and block. Never modify the result."""
+def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
+    """(1, 1, q_len, k_len), True where the query at k_len - q_len + i may see key j (j <= that position). Memoised:
+    forwards need the same few shapes in every layer (and block). Never modify the result."""
     rows = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)
-    visible = torch.arange(k_len, device=device) <= rows
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))[None, None]
+    return (torch.arange(k_len, device=device) <= rows)[None, None]
+
+
+@functools.lru_cache(maxsize=64)
+def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`causal_mask` in additive form: 0 where visible, -inf elsewhere (memoised too; never modify the result)."""
+    visible = causal_mask(q_len, k_len, device)
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor | None:
@@ -85,8 +91,7 @@ def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor |
         return attention_mask
     if q_len == 1:
         return None
-    rows = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)
-    return (torch.arange(k_len, device=device) <= rows)[None, None]
+    return causal_mask(q_len, k_len, device)
 
 
 
