@@ -28,6 +28,7 @@ class Entry:
     value: torch.Tensor
     token: int = -1
     score: float = 0.0
+    square: float = 0.0  # roco: the sum of the squares of what each step gave
 
 
 def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
@@ -78,19 +79,20 @@ def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor
 
 class Oracle:
     #: the policies whose cut rules `cut` spells out (the engine tests compare these)
-    POLICIES = ("full", "window", "sink", "h2o", "h2o_sinks", "a2sf", "tova", "sepllm", "keydiff")
+    POLICIES = ("full", "window", "sink", "h2o", "h2o_sinks", "a2sf", "tova", "sepllm", "keydiff", "roco")
 
     def __init__(self, model, policy_name: str, *, sinks: int = 0, heavy: int = 0, recent: int = 0,
-                 states: int = 0, separators: int = 0, diverse: int = 0, alpha: float = 1.0,
+                 states: int = 0, separators: int = 0, diverse: int = 0, volatile: int = 0, alpha: float = 1.0,
                  per_head: bool = False, separator_ids=(), rolling: bool = True):
         config = model.config
         assert config.rope_parameters["rope_type"] == "default"
         assert policy_name in self.POLICIES
         self.model = model
         self.policy_name, self.sinks, self.heavy, self.recent = policy_name, sinks, heavy, recent
-        self.states, self.separators, self.diverse = states, separators, diverse
+        self.states, self.separators, self.diverse, self.volatile = states, separators, diverse, volatile
         self.alpha, self.per_head, self.separator_ids = alpha, per_head, set(separator_ids)
-        self.budget = None if policy_name == "full" else sinks + heavy + recent + states + separators + diverse
+        self.budget = None if policy_name == "full" else sinks + heavy + recent + states + separators + diverse \
+            + volatile
         self.rolling = rolling
         self.head_dim = config.hidden_size // config.num_attention_heads
         theta = config.rope_parameters["rope_theta"]
@@ -120,9 +122,9 @@ class Oracle:
         self.t += 1
         return logits
 
-    BANDS = ("full", "window", "sink")
+    BANDS = ("full", "window", "sink")  # chunked mode equals exact mode for these: no fair cut
     #: the order in which the engine's policies declare their parts (ties in a fair chunk's cut go to the earlier)
-    PART_ORDER = ("sinks", "heavy", "states", "separators", "diverse", "recent")  # chunked mode equals exact mode for these: no fair cut
+    PART_ORDER = ("sinks", "volatile", "heavy", "states", "separators", "diverse", "recent")
 
     def chunk(self, tokens: list[int]) -> torch.Tensor:
         """Fair chunked mode as docs/design.md states it, for a policy without a band; (C, vocab) logits.
@@ -136,7 +138,7 @@ class Oracle:
         """
         assert self.policy_name not in self.BANDS
         kept = self.budget + 1 - len(tokens)
-        names = [n for n in ("sinks", "heavy", "states", "separators", "diverse", "recent") if getattr(self, n)]
+        names = [n for n in self.PART_ORDER if getattr(self, n)]
         saved = {name: getattr(self, name) for name in (*names, "budget")}
         cut = self.budget - kept
         others = [n for n in names if n != "sinks"]
@@ -224,6 +226,9 @@ class Oracle:
             e.score = received  # only the current query's attention
         elif self.policy_name == "a2sf":
             e.score = self.alpha * e.score + received
+        elif self.policy_name == "roco":
+            e.score += received
+            e.square += received * received
         else:
             e.score += received
 
@@ -244,6 +249,16 @@ class Oracle:
         if self.policy_name in ("h2o", "h2o_sinks", "a2sf"):
             # the `heavy` highest scores among the others, ties to the older one; kept in stream order
             chosen = sorted(others, key=lambda e: (-e.score, e.position))[: self.heavy]
+        elif self.policy_name == "roco":
+            # RoCo: per entry, the mean and variance of its attention over its steps in the cache (age: since it
+            # arrived, counted up to the newest entry); the `volatile` of highest variance, then the `heavy` of
+            # highest mean among the rest; ties to the older one
+            newest = entries[-1].position
+            mean = {id(e): e.score / (newest - e.position + 1) for e in others}
+            variance = {id(e): e.square / (newest - e.position + 1) - mean[id(e)] ** 2 for e in others}
+            volatile = sorted(others, key=lambda e: (-variance[id(e)], e.position))[: self.volatile]
+            steady = [e for e in others if all(e is not v for v in volatile)]
+            chosen = volatile + sorted(steady, key=lambda e: (-mean[id(e)], e.position))[: self.heavy]
         elif self.policy_name == "sepllm":
             # the most recent separators; spare slots to the most recent other entries
             chosen = sorted(others, key=lambda e: (e.token in self.separator_ids, e.position), reverse=True)

@@ -39,6 +39,19 @@ def test_save_then_load_gives_identical_next_token_logits_and_replies(model, tok
     assert a.token_ids == b.token_ids and a.text == b.text
 
 
+def test_a_policy_that_sums_squared_attention_saves_and_resumes_exactly(model, tokenizer, tmp_path):
+    """roco's scores carry a last axis (sums and sums of squares): they are saved, checked and loaded as they are."""
+    original = session_for(model, tokenizer, policy="roco", size=24)
+    for text in ["hello world, and a longer line to fill the cache past its budget", "and then some more"]:
+        original.chat(text)
+    assert original.cache.layers[0].scores.shape[-1] == 2 and original.stats()["tokens_seen"] > 24
+    resumed = session_for(tiny_llama(len(tokenizer)), tokenizer, policy="sink", size=64)
+    resumed.load(original.save(tmp_path / "roco.pt"))
+    assert resumed.policy == original.policy
+    assert original.chat("once more").token_ids == resumed.chat("once more").token_ids
+    assert torch.equal(original.cache.layers[1].scores, resumed.cache.layers[1].scores)
+
+
 def test_the_repetition_settings_travel_with_the_session(model, tokenizer, tmp_path):
     sampling = Sampling(temperature=0.9, top_k=40, repetition_penalty=1.3, no_repeat_ngram_size=3, seed=2)
     original = ChatSession(model, tokenizer, policy=make_policy("h2o", 32), sampling=sampling)

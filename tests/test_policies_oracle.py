@@ -24,6 +24,8 @@ VARIANTS = {
     "keydiff-no-window": lambda: make_policy("keydiff", BUDGET, sinks=1, recent=0),
     "sepllm": lambda: SepLLMPolicy(sinks=2, separators=3, recent=3, separator_ids=SEPARATORS),
     "sepllm-no-sinks": lambda: SepLLMPolicy(sinks=0, separators=5, recent=3, separator_ids=SEPARATORS),
+    "roco": lambda: make_policy("roco", BUDGET, volatile=2, heavy=3, recent=3),
+    "roco-no-volatile": lambda: make_policy("roco", BUDGET, volatile=0, recent=1),
 }
 
 

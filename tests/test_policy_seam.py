@@ -33,7 +33,7 @@ def test_every_module_of_the_policies_folder_is_imported_and_registers_its_polic
     registered = {cls.__module__.rsplit(".", 1)[-1] for cls in POLICIES.values()}
     assert modules == registered
     assert {"full", "h2o", "sink", "window"} <= set(ALL)  # the matrix the other tests draw from is not empty
-    assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova"} and set(BANDED) == {"sink", "window"}
+    assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova", "roco"} and set(BANDED) == {"sink", "window"}
     assert "full" not in EVICTING and {"keydiff", "sepllm"} <= set(EVICTING) - set(SCORED) - set(BANDED)
     assert set(TOKENIZED) == {"sepllm"} and set(TOKENIZED) <= set(ALL)  # built with the tiny tokenizer, not left out
 
@@ -74,7 +74,15 @@ def test_bad_declarations_are_refused():
         register(type("Impostor", (EvictionPolicy,), {"name": "h2o", "keep": lambda *a: None}))
     with pytest.raises(H2OStreamError, match="name usable as an argument"):
         Part("two words", "x")
+    with pytest.raises(H2OStreamError, match="score_squares needs needs_scores and per-KV-head scores"):
+        register(type("SquaresOfNothing", (EvictionPolicy,), {"name": "squares-of-nothing", "score_squares": True,
+                                                              "keep": lambda *a: None}))
+    with pytest.raises(H2OStreamError, match="score_squares needs needs_scores and per-KV-head scores"):
+        register(type("SquaresOfLayerMeans", (EvictionPolicy,), {"name": "squares-of-means", "score_squares": True,
+                                                                 "needs_scores": True, "score_heads": "layer",
+                                                                 "keep": lambda *a: None}))
     assert POLICIES["h2o"].__name__ == "H2OPolicy" and "two-rests" not in POLICIES
+    assert not {"squares-of-nothing", "squares-of-means"} & set(POLICIES)
 
 
 # -- a new policy, defined here: nothing else in the package changes ------------------------------------------------
@@ -139,7 +147,7 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     text = " ".join(runner.invoke(probe, ["--help"]).output.split())
     assert "--oldest SLOTS oldest: the stream's first entries (default: 0.25 of the cache size)." in text
     assert "--recent SLOTS a2sf, h2o, h2o_sinks, keydiff, sepllm, sink, window, oldest: recent-window slots" in text
-    assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, sepllm, sink, tova, window, oldest." in text
+    assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, roco, sepllm, sink, tova, window, oldest." in text
     result = runner.invoke(probe, ["--oldest", "3"])
     assert json.loads(result.output) == ["oldest", 32, {"oldest": 3}, "oldest(oldest=3, recent=29)"]
     # settings that are not slot counts get options too: a value of their default's type, a flag for a bool

@@ -107,13 +107,14 @@ def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
     for trial in range(40):
         n, kept = 17 + trial % 4, 16 - trial % 12  # a fair chunk's cut: from up to budget + C entries to budget + 1 - C
         positions = torch.arange(100, 100 + n).expand(2, 3, n)  # ascending stream positions, as the cache keeps them
-        scores = torch.randint(0, 4, (2, 3, n), generator=generator).double()  # few values: many ties
+        moments = (2,) if spec.score_squares else ()  # roco: sums and sums of squares
+        scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
         extra = {"keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
                  "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}  # ids 3 and 4 are separators
         taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
 
         def keep(p, slots):  # p's choice among the entries at `slots` (1-D), as slots of that subset
-            return p.keep(positions[..., slots], scores[..., slots] if p.needs_scores else None,
+            return p.keep(positions[..., slots], scores[:, :, slots] if p.needs_scores else None,
                           **{k: v[:, :, slots] for k, v in taken.items()})
 
         everything = torch.arange(n)

@@ -8,10 +8,11 @@ import functools
 import torch
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False, query_weights=None):
+                       last_query=False, query_weights=None, squares=False):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
-    share its KV head: (batch, kv_heads, k_len).
+    share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
+    over the queries of the square of what each query gave (its query heads summed first).
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     """
@@ -33,7 +34,16 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
             mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    if query_weights is not None and not last_query:
+    if squares:
+        # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
+        per_query = (probs[..., -1:, :] if last_query else probs).sum(dim=2)
+        per_query = per_query.to(torch.float32 if per_query.device.type == "mps" else torch.float64)
+        if query_weights is not None and not last_query:
+            weights = query_weights.to(per_query.dtype)[:, None]
+            received = torch.stack([(per_query * weights).sum(2), (per_query.square() * weights).sum(2)], dim=-1)
+        else:
+            received = torch.stack([per_query.sum(2), per_query.square().sum(2)], dim=-1)
+    elif query_weights is not None and not last_query:
         received = torch.einsum("bkgqn,q->bkn", probs, query_weights.to(probs.dtype))
     else:
         received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))

@@ -27,7 +27,7 @@ class StreamingLayer(CacheLayerMixin):
         self.policy = policy
         self.roller = roller
         self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
-        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n) attention scores, if the policy uses them
+        self.scores: torch.Tensor | None = None  # (batch, kv_heads, n[, 2]) attention scores, if the policy uses them
         self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
         self.pending_tokens: torch.Tensor | None = None  # (batch, C) ids of the forward now running (needs_tokens)
         self.seen = 0  # tokens this layer has been given
@@ -49,7 +49,8 @@ class StreamingLayer(CacheLayerMixin):
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
         score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.scores = torch.empty(batch, heads, 0, dtype=score_dtype, device=self.device)
+        moments = (2,) if self.policy.score_squares else ()  # the sum and the sum of squares (RoCo's variance)
+        self.scores = torch.empty(batch, heads, 0, *moments, dtype=score_dtype, device=self.device)
         if self.policy.needs_tokens:
             self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -94,7 +95,8 @@ class StreamingLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        self.scores = torch.cat([self.scores, self.scores.new_zeros(batch, heads, c)], dim=-1)  # pad() is slower
+        new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
+        self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
         if self.tokens is not None:
             new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
             self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)

@@ -229,6 +229,7 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype = model.get_input_embeddings().weight.dtype
     budget = cache.policy.budget
+    moments = (2,) if cache.policy.score_squares else ()  # a policy that also sums squared attention (roco)
     shapes = set()
     for layer in layers:
         # sessions saved before the cache counted keys seen lack max_keys
@@ -249,7 +250,8 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
         if keys.dim() != 4 or keys.shape[:2] != (1, kv_heads) or values.dim() != 4 \
                 or values.shape[:3] != keys.shape[:3]:
             raise ValueError(f"cache tensors of shape {tuple(keys.shape)} do not fit this model")
-        if positions.shape != keys.shape[:3] or scores.shape != keys.shape[:3] or positions.dtype != torch.long \
+        if positions.shape != keys.shape[:3] or scores.shape != (*keys.shape[:3], *moments) \
+                or positions.dtype != torch.long \
                 or not scores.is_floating_point():
             raise ValueError("cache bookkeeping does not match its entries")
         if keys.dtype != dtype or values.dtype != dtype:

@@ -108,6 +108,10 @@ class EvictionPolicy(ABC):
     #: which queries of a forward count: "all" — every query of a chunk, summed; "last" — only its last query.
     #: Exact mode has one query per forward, so this matters only in chunked mode.
     score_queries: ClassVar[str] = "all"
+    #: whether an entry's score also sums the square of each query's attention, to tell steady attention from
+    #: fluctuating (RoCo's variance): the scores then gain a last axis of 2, [..., 0] the attention received and
+    #: [..., 1] the sum of its squares, one square per query (per KV head: needs `score_heads` "kv")
+    score_squares: ClassVar[bool] = False
     #: whether `keep` needs the keys the layer holds (passed as `keys=`)
     needs_keys: ClassVar[bool] = False
     #: whether `keep` needs the token id of every entry (passed as `tokens=`; forwards must bring token ids)
@@ -187,8 +191,9 @@ class EvictionPolicy(ABC):
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n).
 
         `received` is what `score_heads` and `score_queries` say (per KV head or the layer's mean, all of a chunk's
-        queries, weighted by `query_weights`, or the last); a new entry's score starts at 0; `steps` is the number of
-        queries (tokens) in the forward. The default accumulates (H2O); a policy may decay the old scores first
+        queries, weighted by `query_weights`, or the last; with `score_squares` both have a last axis of 2, the sum
+        and the sum of squares); a new entry's score starts at 0; `steps` is the number of queries (tokens) in the
+        forward. The default accumulates (H2O); a policy may decay the old scores first
         (A2SF) or keep only the latest attention (TOVA). Called only with `needs_scores`.
         """
         scores += received
@@ -204,10 +209,11 @@ class EvictionPolicy(ABC):
         """Slots to keep, shape (batch, kv_heads, budget), ascending so stream order is preserved.
 
         `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` has the same shape
-        (see `update_scores`) or is None when `needs_scores` is False. Called only when n > budget. A policy with
-        `needs_keys` is also given `keys=` (batch, kv_heads, n, head_dim), the keys as the layer stores them
-        (un-rotated when rolling, rotated at their stream positions without); one with `needs_tokens` is given
-        `tokens=` (batch, kv_heads, n), each entry's token id. A score normalised by age divides by `ages(positions)`.
+        (plus a last axis of 2 with `score_squares`; see `update_scores`) or is None when `needs_scores` is False.
+        Called only when n > budget. A policy with `needs_keys` is also given `keys=` (batch, kv_heads, n,
+        head_dim), the keys as the layer stores them (un-rotated when rolling, rotated at their stream positions
+        without); one with `needs_tokens` is given `tokens=` (batch, kv_heads, n), each entry's token id. A score
+        normalised by age divides by `ages(positions)` (roco).
         """
 
     def reduced(self, budget: int) -> EvictionPolicy:
