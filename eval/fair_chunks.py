@@ -8,7 +8,7 @@
    alternate between contenders so that machine noise hits all alike (target: >= 0.85x).
 
 The `ppl` runs it reads are in eval/run_benchmarks.sh: two exact-mode runs side by side into fair_chunks/exact and
-fair_chunks/exact-2, the chunked runs into fair_chunks/chunked; then
+fair_chunks/exact-2 (roco, added later, into fair_chunks/exact-3), the chunked runs into fair_chunks/chunked; then
 
     python eval/fair_chunks.py --data path/to/gutenberg_pre1919.jsonl --threads 2 --out eval/results/fair_chunks.json
 """
@@ -112,9 +112,10 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
 
 @click.command()
 @click.option("--exact-dir", "exact_dirs", multiple=True, type=click.Path(), show_default=True,
-              default=["eval/results/fair_chunks/exact", "eval/results/fair_chunks/exact-2"])
+              default=["eval/results/fair_chunks/exact", "eval/results/fair_chunks/exact-2",
+                       "eval/results/fair_chunks/exact-3"])
 @click.option("--chunked-dir", default="eval/results/fair_chunks/chunked", show_default=True, type=click.Path())
-@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff", show_default=True)
+@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco", show_default=True)
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--round-tokens", default=1024, show_default=True, help="Tokens per timed round and contender.")

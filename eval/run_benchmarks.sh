@@ -25,16 +25,19 @@ python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --cache-size 193 
     --policies h2o --out eval/results/bench_ppl_span_matched.json
 # Fair chunks vs exact mode, every policy (eval/results/fair_chunks.json): the exact runs take ~30 min per policy on
 # one core, so they go two at a time (sink and window need none: their chunked mode is exact mode, tested); then the
-# chunked runs at the default chunk (and at 64 and 8 for comparison), then the side-by-side throughput measurement.
-P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff
+# chunked runs at the default chunk (and at 64, 16 and 8 for comparison; tova's default is exact mode, roco's 8), then
+# the side-by-side throughput measurement.
+P=h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco
 GAP=(--data "$DATA" --tokens 20000 --cache-size 256 --threads 1 --resume)
 h2o-stream ppl --exact "${GAP[@]}" --policy tova,h2o,a2sf --out eval/results/fair_chunks/exact &
 h2o-stream ppl --exact "${GAP[@]}" --policy sepllm,keydiff,h2o_sinks --out eval/results/fair_chunks/exact-2 &
 wait
+h2o-stream ppl --exact "${GAP[@]}" --policy roco --out eval/results/fair_chunks/exact-3  # added later, alone
 h2o-stream ppl "${GAP[@]}" --policy "$P" --out eval/results/fair_chunks/chunked
 h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chunk-size 64 \
     --out eval/results/fair_chunks/chunked-c64
-h2o-stream ppl "${GAP[@]}" --policy tova --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
+h2o-stream ppl "${GAP[@]}" --policy tova,roco --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
+h2o-stream ppl "${GAP[@]}" --policy tova,roco --chunk-size 16 --out eval/results/fair_chunks/chunked-c16
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
 # tova, the one policy past the 1% gap at 20k tokens, and h2o for comparison: exact and chunked over 60k (the gap's
 # standard error). tova's runs are fresh; h2o's exact run was resumed at 20k and at 40,960 (resuming is exact).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from oracle import Oracle, stream_for
-from policy_matrix import BANDED, EVICTING, build
+from policy_matrix import BANDED, EVICTING, TOKENIZER, build
 from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
@@ -128,10 +128,21 @@ def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
 
 def test_default_chunk_size_is_a_sixteenth_of_the_budget_unless_a_band_makes_chunks_exact():
     assert default_chunk_size(make_policy("h2o", 256)) == 16
-    assert default_chunk_size(make_policy("tova", 512)) == 32
+    assert default_chunk_size(make_policy("sepllm", 512, tokenizer=TOKENIZER)) == 32
     assert default_chunk_size(make_policy("h2o", 15)) == 1
     assert default_chunk_size(make_policy("sink", 128)) == 256
     assert default_chunk_size(make_policy("full")) == 256
+
+
+def test_a_default_chunk_never_shields_more_than_the_recent_window_would():
+    """A chunk's own tokens escape every cut until it ends; exact mode spares only the last `recent` entries. So the
+    default chunk is at most the largest power of two up to recent + 1: tova (no window) runs exact mode."""
+    assert default_chunk_size(make_policy("tova", 512)) == 1
+    assert default_chunk_size(make_policy("roco", 256)) == 8  # recent 10
+    assert default_chunk_size(make_policy("roco", 512, recent=40)) == 32  # 41 -> 32, the sixteenth of 512
+    assert default_chunk_size(make_policy("h2o", 256, recent=7)) == 8
+    assert default_chunk_size(make_policy("h2o", 256, recent=6)) == 4
+    assert default_chunk_size(make_policy("keydiff", 256, recent=0)) == 1
 
 
 def test_chat_and_summarize_read_prompts_in_wide_chunks(model, tokenizer):

@@ -48,7 +48,8 @@ def test_leaderboard_ranks_every_policy_at_every_size_against_sink_and_h2o(capsy
             assert row["vs_sink"] == pytest.approx(run["ppl"] / by_policy["sink"]["ppl"])
             assert row["vs_h2o"] == pytest.approx(run["ppl"] / by_policy["h2o"]["ppl"])
             assert row["max_keys_seen"] == int(size) + 1  # fair chunks, as exact mode
-            assert run["settings"]["chunk_size"] == (256 if row["policy"] == "sink" else int(size) // 16)
+            default = {"sink": 256, "tova": 1}.get(row["policy"], int(size) // 16)  # tova, with no window: exact
+            assert run["settings"]["chunk_size"] == default
     table = (out / "leaderboard.md").read_text()
     assert table == stdout and table.count("\n") == 2 + 8
     assert (out / "ppl_vs_cache.png").stat().st_size > 0 and (out / "windowed_ppl.png").stat().st_size > 0

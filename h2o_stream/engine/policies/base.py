@@ -123,8 +123,9 @@ class EvictionPolicy(ABC):
     #: sinks and a recent window that only shrink when reduced (h2o, a2sf, tova, sepllm); not for keydiff, whose
     #: anchor is the mean of the keys held. A scanned fair forward then cuts once between blocks instead of twice.
     cuts_nest: ClassVar[bool] = False
-    #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`): small enough that
-    #: chunked perplexity stays within 1% of exact mode's (measured per policy, eval/results/fair_chunks.json)
+    #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`, which also keeps it
+    #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
+    #: per policy, eval/results/fair_chunks.json)
     fair_chunk_share: ClassVar[float] = 1 / 16
 
     _part_names: ClassVar[tuple[str, ...]] = ()
