@@ -218,8 +218,10 @@ def test_should_stop_cancels_and_the_result_stays_readable_after_closing(tokeniz
     assert result.stop_reason == "cancelled" and len(result.token_ids) == 6 == result.fed
     assert cache.seen == prompt.shape[1] + 6
     cache, logits = start()
-    decoder = Decoder(model, tokenizer, Sampling(temperature=1.0, max_new_tokens=50), stop_ids=[])
+    # seeded: the stream yields text only once it decodes, and random byte tokens can withhold it for long
+    decoder = Decoder(model, tokenizer, Sampling(temperature=1.0, max_new_tokens=50, seed=0), stop_ids=[])
     stream = decoder.stream(cache, logits)
     next(stream), next(stream)
+    generated = list(decoder.result.token_ids)
     stream.close()
-    assert 0 < len(decoder.result.token_ids) < 50 and decoder.result.text
+    assert decoder.result.token_ids == generated and 0 < len(generated) < 50 and decoder.result.text
