@@ -13,6 +13,7 @@ from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.feed import feed
 from h2o_stream.generation import (Decoder, Sampling, TextStream, end_of_turn_id, generate, logits_processors,
                                    pick_token, stop_token_ids)
+from h2o_stream.generation.sampling import SortFreeTopPLogitsWarper
 from tiny_models import tiny_llama
 
 
@@ -47,10 +48,34 @@ def test_the_processor_list_is_transformers_classes_in_generates_order():
     sampling = Sampling(temperature=0.5, top_k=3, top_p=0.8, repetition_penalty=1.5, no_repeat_ngram_size=2)
     assert [type(p) for p in logits_processors(sampling)] == [
         RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-        TopPLogitsWarper]
+        SortFreeTopPLogitsWarper]  # transformers' TopPLogitsWarper with the same output: the next test
     greedy = Sampling(temperature=0, top_k=3, repetition_penalty=1.5)
     assert [type(p) for p in logits_processors(greedy)] == [RepetitionPenaltyLogitsProcessor]  # no warpers
     assert len(logits_processors(Sampling(temperature=1, top_p=1))) == 0
+
+
+def test_the_sort_free_top_p_gives_exactly_what_transformers_top_p_gives():
+    generator = torch.Generator().manual_seed(0)
+    cases = []
+    for top_p in (0.05, 0.5, 0.9, 0.95, 0.999):
+        for scale in (0.5, 3.0, 12.0):  # flat to peaked distributions over a 49k vocabulary, as the default model's
+            cases += [(top_p, torch.randn(1, 49152, generator=generator) * scale) for _ in range(4)]
+    with_inf = torch.randn(1, 5000, generator=generator)
+    with_inf[0, ::7] = float("-inf")  # banned tokens (no-repeat n-grams)
+    cases.append((0.9, with_inf))
+    ties = torch.tensor([[5.0, 1.0, 1.0, 1.0, 1.0, 0.0]])  # the cut falls inside the run of 1.0s: the parent decides
+    cases += [(0.97, ties), (0.95, ties), (0.5, ties), (0.999, ties)]
+    cases += [(0.9, torch.randn(2, 300, generator=generator)),  # a batch, float64 and NaN: the parent's own path
+              (0.9, torch.randn(1, 300, generator=generator, dtype=torch.float64)),
+              (0.9, torch.tensor([[1.0, float("nan"), 2.0]])), (0.9, torch.tensor([[float("-inf")] * 3]))]
+    cuts = set()
+    for top_p, scores in cases:
+        expected = TopPLogitsWarper(top_p)(None, scores.clone())
+        got = SortFreeTopPLogitsWarper(top_p)(None, scores.clone())
+        assert torch.equal(got.isnan(), expected.isnan())
+        assert torch.equal(got.nan_to_num(), expected.nan_to_num()), (top_p, scores.shape)
+        cuts.add(int(torch.isinf(got).sum()))
+    assert len(cuts) > 10  # the cases cut in many places, not all nowhere or everywhere
 
 
 def test_the_processors_change_the_distribution_as_the_settings_say():

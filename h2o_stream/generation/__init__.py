@@ -13,7 +13,8 @@ no_repeat_ngram_size=0)``
 
 ``logits_processors(sampling) -> transformers.LogitsProcessorList``
     RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, then (sampling only) TemperatureLogitsWarper,
-    TopKLogitsWarper, TopPLogitsWarper: the classes and order `model.generate` uses for the same settings.
+    TopKLogitsWarper, TopPLogitsWarper: the classes and order `model.generate` uses for the same settings (top-p as
+    `SortFreeTopPLogitsWarper`, a subclass with the same output that skips the parent's index sort on CPU).
 
 ``pick_token(logits, seen, sampling, processors, generator) -> int``
     One step: processors over `seen` (list of ids), then argmax (greedy) or a draw from `generator`.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import (LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
                           TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
@@ -81,8 +82,34 @@ def logits_processors(sampling: Sampling) -> LogitsProcessorList:
         if sampling.top_k > 0:
             processors.append(TopKLogitsWarper(sampling.top_k))
         if sampling.top_p < 1.0:
-            processors.append(TopPLogitsWarper(sampling.top_p))
+            processors.append(SortFreeTopPLogitsWarper(sampling.top_p))
     return processors
+
+
+class SortFreeTopPLogitsWarper(TopPLogitsWarper):
+    """transformers' `TopPLogitsWarper`, the same output bit for bit, without its index sort on CPU.
+
+    The parent sorts the whole vocabulary with its indices (torch.sort: ~3 ms of a ~60 ms decode step for a 49k
+    vocabulary on one core) to find the cut. The cut only needs the sorted values (np.sort, a tenth of the time; the
+    same values in the same order, so the same softmax and cumulative sums): every token below the first kept value
+    goes. Only when the cut falls inside a run of equal values does torch.sort's tie order decide which of them stay:
+    then, and for batches, other devices or dtypes, and NaN, the parent does the work.
+    """
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.Tensor) -> torch.Tensor:
+        if scores.shape[0] != 1 or scores.device.type != "cpu" or scores.dtype != torch.float32:
+            return super().__call__(input_ids, scores)
+        values = torch.from_numpy(np.sort(scores.numpy(), axis=-1)).clone()  # torch's allocation, as the parent's
+        if values.isnan().any():
+            return super().__call__(input_ids, scores)
+        cumulative = values.softmax(dim=-1).cumsum(dim=-1)  # non-decreasing: the parent's removals are a prefix
+        cut = min(int((cumulative <= (1 - self.top_p)).sum()), values.shape[-1] - self.min_tokens_to_keep)
+        if cut == 0:
+            return scores.clone()
+        threshold = values[0, cut]
+        if values[0, cut - 1] == threshold:
+            return super().__call__(input_ids, scores)
+        return scores.masked_fill(scores < threshold, self.filter_value)
 
 
 def pick_token(logits: torch.Tensor, seen: list[int], sampling: Sampling, processors: LogitsProcessorList,
