@@ -49,8 +49,7 @@ class StreamingLayer(CacheLayerMixin):
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
         score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        moments = (2,) if self.policy.score_squares else ()  # the sum and the sum of squares (RoCo's variance)
-        self.scores = torch.empty(batch, heads, 0, *moments, dtype=score_dtype, device=self.device)
+        self.scores = torch.empty(batch, heads, 0, *self.policy.score_moments, dtype=score_dtype, device=self.device)
         if self.policy.needs_tokens:
             self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True

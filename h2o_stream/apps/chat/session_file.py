@@ -229,7 +229,7 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype = model.get_input_embeddings().weight.dtype
     budget = cache.policy.budget
-    moments = (2,) if cache.policy.score_squares else ()  # a policy that also sums squared attention (roco)
+    moments = cache.policy.score_moments  # (2,) for a policy that also sums squared attention (roco)
     shapes = set()
     for layer in layers:
         # sessions saved before the cache counted keys seen lack max_keys

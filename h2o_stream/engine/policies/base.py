@@ -130,6 +130,11 @@ class EvictionPolicy(ABC):
 
     _part_names: ClassVar[tuple[str, ...]] = ()
 
+    @property
+    def score_moments(self) -> tuple[int, ...]:
+        """The trailing shape of one entry's score: (2,) with `score_squares` (sum, sum of squares), else ()."""
+        return (2,) if self.score_squares else ()
+
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if not isinstance(cls.parts, tuple) or not all(isinstance(part, Part) for part in cls.parts):
@@ -300,9 +305,10 @@ def ages(positions: torch.Tensor) -> torch.Tensor:
     return positions[..., -1:] - positions + 1
 
 
-def top_slots(ranks: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:
+def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order: bool = True) -> torch.Tensor:
     """Ascending slots of the `count` highest `ranks` (batch, heads, m), offset by `start` (the slot of ranks[0]);
-    equal ranks go to the lower slot, i.e. the older entry."""
+    equal ranks go to the lower slot, i.e. the older entry. `in_slot_order=False`: the same slots in any order (for a
+    caller that only marks them), one sort fewer."""
     m = ranks.shape[-1]
     if count == m - 1:
         # Exact mode's usual cut, one entry: drop the lowest rank, of equal lowest ranks the newest (argmin of the
@@ -312,8 +318,9 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0) -> torch.Tensor:
         top = slots + (slots >= drop)
         return top + start if start else top
     # A stable descending sort keeps equal ranks in slot (= stream) order, so ties favour the older entry.
-    order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices
-    top = order[..., :count].sort(dim=-1).values
+    top = torch.sort(ranks, dim=-1, descending=True, stable=True).indices[..., :count]
+    if in_slot_order:
+        top = top.sort(dim=-1).values
     return top + start if start else top
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictionPolicy, Part, ages, last_slots
+from .base import EvictionPolicy, Part, ages, last_slots, top_slots
 from .registry import register
 
 
@@ -52,14 +52,11 @@ class RoCoPolicy(EvictionPolicy):
         mean = scores[..., :others, 0] / age
         variance = scores[..., :others, 1] / age - mean.square()
         # Marked in a mask and read back in slot order: fewer sorts than ranking twice and merging (keep runs per
-        # layer and block). A stable descending sort puts equal values in slot order: ties go to the older entry.
+        # layer and block). top_slots gives ties to the older entry.
         chosen = torch.zeros(mean.shape, dtype=torch.bool, device=mean.device)
-        chosen.scatter_(-1, _top(variance, self.volatile), True)
-        chosen.scatter_(-1, _top(mean.masked_fill(chosen, float("-inf")), self.heavy), True)  # heavy < the rest
+        chosen.scatter_(-1, top_slots(variance, self.volatile, in_slot_order=False), True)
+        steadier = mean.masked_fill(chosen, float("-inf"))  # heavy < the rest: never one of the volatile
+        chosen.scatter_(-1, top_slots(steadier, self.heavy, in_slot_order=False), True)
         kept = chosen.nonzero()[:, -1].view(*mean.shape[:-1], self.volatile + self.heavy)  # row-major: ascending
         return torch.cat([kept, last_slots(n, self.recent, positions)], dim=-1)
 
-
-def _top(values: torch.Tensor, count: int) -> torch.Tensor:
-    """Slots of the `count` highest values, equal ones in slot order (not sorted by slot)."""
-    return torch.sort(values, dim=-1, descending=True, stable=True).indices[..., :count]
