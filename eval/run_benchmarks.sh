@@ -64,7 +64,8 @@ h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/res
 # The long fair-chunk runs at 256 (eval/results/long_fair): the best two of the leaderboard (sink, sepllm) and h2o to
 # 1,048,576 tokens, then h2o and sink on to the 4M headline. They were seeded with the leaderboard's 250k checkpoints
 # (cp eval/results/leaderboard/runs/{sink,sepllm,h2o}-256.{ckpt,json} eval/results/long_fair/), which gives the same
-# result as starting from zero: --resume continues exactly. Their checkpoints are committed (see the README).
+# result as starting from zero: --resume continues exactly. A run's checkpoint stays in its --out directory (git-ignored):
+# a run that outlives its machine needs eval/save_checkpoints.sh and a remote that keeps the branch it writes.
 LONG_FAIR=(--data "$DATA" --cache-size 256 --threads 1 --out eval/results/long_fair --resume)
 h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,sepllm,h2o --tokens 1048576 --workers 2
 # 128 and 512 to 1M the same way, from the leaderboard's {sink,h2o}-{128,512} checkpoints
