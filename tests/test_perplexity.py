@@ -156,10 +156,19 @@ def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(model_di
     process = subprocess.Popen([*command, "--out", killed], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     checkpoint = killed / "h2o-16.ckpt"
-    deadline = time.time() + 120
-    while time.time() < deadline and not (checkpoint.exists() and checkpoint.stat().st_mtime_ns):
-        time.sleep(0.05)
-    time.sleep(0.3)  # let it get further, to kill it mid-stream
+
+    def stamp():
+        try:
+            return checkpoint.stat().st_ino, checkpoint.stat().st_mtime_ns
+        except FileNotFoundError:
+            return None
+
+    # Kill it mid-stream, just after a second checkpoint replaced the first (checkpoints every 64 of 6,000 tokens):
+    # a fixed sleep let a fast machine finish the whole run first.
+    deadline, first = time.time() + 120, None
+    while time.time() < deadline and (first is None or stamp() == first):
+        first = first or stamp()
+        time.sleep(0.002)
     process.send_signal(signal.SIGKILL)
     process.wait()
     assert not (killed / "h2o-16.json").exists(), "the run finished before it could be killed"
