@@ -18,6 +18,7 @@ fi
 cd "$(dirname "$0")/.."
 python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/bench_exact.json
 python eval/bench_exact.py --threads 1 --rounds 8 --out eval/results/bench_exact_1thread.json
+python eval/bench_threads.py --threads 2 --rounds 12 --out eval/results/bench_threads.json
 python eval/bench_ppl.py --data "$DATA" --threads 2 --rounds 6 --out eval/results/bench_ppl.json
 python eval/bench_gap.py --data "$DATA" --threads 1 --streams 4 --stream-tokens 5120 --out eval/results/bench_gap.json
 python eval/gap_vs_chunk.py --data "$DATA" --exact-from eval/results/bench_gap.json --chunk-sizes 16,64 --matched 16,64

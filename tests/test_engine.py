@@ -113,37 +113,3 @@ def test_an_attached_model_still_runs_plain_caches():
     before = model(ids).logits
     stream_logits(model, StreamingCache(model, make_policy("h2o", 8)), ids)
     assert torch.equal(model(ids).logits, before)
-
-
-def test_a_decode_step_and_a_scanned_forward_do_the_cache_work_on_one_thread_and_restore_the_count(monkeypatch):
-    """The cache's small tensor work runs on one intra-op thread (hooks.one_thread_if); the model's own work, and
-    everything after the forward, keeps the caller's thread count, also when the cache's work fails."""
-    from h2o_stream.engine.layer import StreamingLayer
-
-    model = tiny_model("llama")
-    ids = random_ids(40)
-    seen = []
-    cut = StreamingLayer.after_attention
-    monkeypatch.setattr(StreamingLayer, "after_attention",
-                        lambda self, *a, **k: (seen.append(torch.get_num_threads()), cut(self, *a, **k))[1])
-    torch.set_num_threads(2)
-    try:
-        cache = StreamingCache(model, make_policy("h2o", 16))
-        stream_logits(model, cache, ids[:, :24], chunk=8)  # a plain chunked forward: the caller's threads
-        assert set(seen) == {2} and torch.get_num_threads() == 2
-        seen.clear()
-        stream_logits(model, cache, ids[:, 24:], chunk=1)  # decode steps
-        assert set(seen) == {1} and torch.get_num_threads() == 2
-        seen.clear()
-        scanned = StreamingCache(model, make_policy("h2o", 16), decide_every=4)
-        model(ids, cache=scanned)
-        assert set(seen) == {1} and torch.get_num_threads() == 2
-
-        def fail(self, *a, **k):
-            raise RuntimeError("a failing cut")
-        monkeypatch.setattr(StreamingLayer, "after_attention", fail)
-        with pytest.raises(RuntimeError, match="a failing cut"):
-            model(ids[:, :1], cache=StreamingCache(model, make_policy("h2o", 16)))
-        assert torch.get_num_threads() == 2
-    finally:
-        torch.set_num_threads(2)

@@ -29,7 +29,7 @@ from transformers.cache_utils import Cache
 
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
-from .hooks import active_cache, attach, one_thread_if
+from .hooks import active_cache, attach
 from .layer import StreamingLayer
 from .policies import EvictionPolicy
 
@@ -327,8 +327,7 @@ class StreamingCache(Cache):
             raise H2OStreamError(
                 "this StreamingCache is being filled by a forward that h2o-stream did not set up: a model the cache "
                 "was not made for (make a new StreamingCache for each model) or one used inside another forward")
-        with one_thread_if(key_states.device.type == "cpu" and key_states.shape[-2] == 1):  # a decode step's append
-            return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def band_mask(self, length: int, device) -> torch.Tensor | None:
         """For sink/window: query i (slot n+i) sees slots j <= n+i with j < sinks or j >= n+i-recent, exactly the

@@ -10,7 +10,6 @@ before. This module does not import the cache: the cache imports `attach`.
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
@@ -35,30 +34,12 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     softcap = kwargs.get("softcap")
     rows = getattr(layer, "rows", None)
-    with one_thread_if(query.device.type == "cpu" and (query.shape[-2] == 1 or getattr(cache, "decide_every", None))):
-        if rows is None:
-            return _layer_attention(layer, query, key, value, attention_mask, scaling, softcap), None
-        # a RowsCache (engine/rows.py): every row attends over its own cache, as that cache alone would
-        outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), layer.masks[i],
-                                    scaling, softcap) for i, row in enumerate(rows)]
+    if rows is None:
+        return _layer_attention(layer, query, key, value, attention_mask, scaling, softcap), None
+    # a RowsCache (engine/rows.py): every row attends over its own cache, as that cache alone would
+    outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), layer.masks[i], scaling,
+                                softcap) for i, row in enumerate(rows)]
     return torch.cat(outputs), None
-
-
-@contextmanager
-def one_thread_if(small: bool):
-    """Run the block on one intra-op thread when `small`: the cache's work in a decode step or a scanned forward's
-    blocks is many operations over a few hundred entries per head, which gain nothing from being split over threads
-    and pay the thread pool's fork and join each time. Measured at two threads on the default model (idle machine,
-    alternating): h2o exact decode 0.89x -> 0.92x the raw decode step; scanned ppl h2o +3%, roco +8%."""
-    threads = torch.get_num_threads() if small else 1
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _layer_attention(layer, query, key, value, attention_mask, scaling, softcap):
