@@ -139,7 +139,7 @@ def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per
     model(random_ids(8), cache=cache)
     cuts = []
     cut = StreamingLayer._cut
-    monkeypatch.setattr(StreamingLayer, "_cut", lambda layer, p, **kw: cuts.append(p.budget) or cut(layer, p, **kw))
+    monkeypatch.setattr(StreamingLayer, "_cut", lambda layer, p: cuts.append(p.budget) or cut(layer, p))
     model(random_ids(20), cache=cache)
     layers = len(cache.layers)
     assert len(cuts) == cuts_per_layer * layers and all(layer.slots == 8 for layer in cache.layers)

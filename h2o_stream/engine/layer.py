@@ -6,11 +6,7 @@ Invariants:
 - with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
 - without rolling, `keys` stay as the model rotated them, at their true stream positions;
 - during a scanned forward (`scan` set), `update` only holds the forward's new entries; `open_block` appends them one
-  block at a time, each block after the previous one's cut, exactly as if each block were its own forward;
-- a cut leaves `room` free slots after the kept ones in each per-slot tensor's storage (`_stores`: the kept entries,
-  then `room` slots of filler), so that the next append writes in place instead of concatenating; the per-slot
-  attributes are then views of the first `slots` slots of their storage. With no storage (`_stores` empty) the
-  attributes are compact and `room` is 0.
+  block at a time, each block after the previous one's cut, exactly as if each block were its own forward.
 """
 
 from __future__ import annotations
@@ -44,9 +40,6 @@ class StreamingLayer(CacheLayerMixin):
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
         self._block_is_last = True  # whether the block now attending is the last of the scanned forward
-        self._stores: dict[str, torch.Tensor] = {}  # per-slot tensor name -> its storage of slots + room slots
-        self.room = 0  # free slots after the last entry in every storage (see the module docstring)
-        self._last_append = 1  # entries the last append added: the room a cut after attention leaves
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -97,25 +90,15 @@ class StreamingLayer(CacheLayerMixin):
         if self.roller is not None:
             key_states = self.roller.unrotate(key_states, n, n + c)
         batch, heads = self.positions.shape[:2]
-        new = {"keys": key_states, "values": value_states,
-               "positions": torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)}
+        new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.positions = torch.cat([self.positions, new_positions], dim=-1)
+        new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
+        self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
         if self.tokens is not None:
-            new["tokens"] = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
-        if self._stores and self.room >= c:  # in place, in the room the last cut left
-            for name, store in self._stores.items():
-                part = store.narrow(2, n, c)
-                if name == "scores":
-                    part.zero_()  # a new entry's score starts at 0
-                else:
-                    part.copy_(new[name])
-                setattr(self, name, store.narrow(2, 0, n + c))
-            self.room -= c
-        else:
-            self._stores, self.room = {}, 0
-            new["scores"] = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
-            for name, entries in new.items():
-                setattr(self, name, torch.cat([getattr(self, name), entries], dim=2))  # pad() is slower
-        self._last_append = c
+            new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
+            self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
         self.seen += c
         band = self.policy.band()
         visible = n + c if band is None else min(n + c, sum(band) + 1)  # the last query sees the most
@@ -144,32 +127,28 @@ class StreamingLayer(CacheLayerMixin):
             return
         if kept not in self._reduced:
             self._reduced[kept] = self.policy.reduced(kept)
-        self._cut(self._reduced[kept], room=length)
+        self._cut(self._reduced[kept])
 
-    def _cut(self, policy: EvictionPolicy, room: int | None = None) -> None:
-        """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor, leaving `room` free slots after
-        them (default: as many as the last append added, which is what the next forward most likely appends)."""
+    def _cut(self, policy: EvictionPolicy) -> None:
+        """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor."""
         budget = policy.budget
-        room = self._last_append if room is None else room
-        names = [name for name in _PER_SLOT if getattr(self, name) is not None]
-        sources = self._stores or {name: getattr(self, name) for name in names}
-        rows = self._kept_rows(policy, room)
-        self.evicted += self.positions.numel() - self.positions.shape[0] * self.positions.shape[1] * budget
-        self._stores = {name: _take(sources[name], rows, budget + room) for name in names}
-        for name, store in self._stores.items():
-            setattr(self, name, store.narrow(2, 0, budget))
-        self.room = room
+        rows = self._kept_rows(policy)
+        self.evicted += self.positions.numel() - rows.numel()
+        self.keys = _take(self.keys, rows, budget)
+        self.values = _take(self.values, rows, budget)
+        self.positions = _take(self.positions, rows, budget)
+        self.scores = _take(self.scores, rows, budget)
+        if self.tokens is not None:
+            self.tokens = _take(self.tokens, rows, budget)
 
-    def _kept_rows(self, policy: EvictionPolicy, room: int) -> torch.Tensor:
-        """`policy`'s kept slots as rows of the flattened (batch*heads*capacity) storage, each head's followed by
-        `room` filler rows (its first slot again) for the room the cut leaves.
+    def _kept_rows(self, policy: EvictionPolicy) -> torch.Tensor:
+        """`policy`'s kept slots as rows of the flattened (batch*heads*slots) storage.
 
         Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
         their answer is memoised: in steady state it is one dictionary lookup per layer and step.
         """
         batch, heads, slots = self.positions.shape
-        capacity = slots + self.room
-        memo_key = (batch, heads, slots, capacity, room)
+        memo_key = (batch, heads, slots)
         if policy.band() is not None and memo_key in self._rows_memo:
             return self._rows_memo[memo_key]
         extra = {}
@@ -178,15 +157,10 @@ class StreamingLayer(CacheLayerMixin):
         if policy.needs_tokens:
             extra["tokens"] = self.tokens
         keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
-        offsets_key = (batch, heads, capacity)
-        if offsets_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
+        if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
             flat_rows = torch.arange(batch * heads, device=keep.device)
-            self._offsets_memo[offsets_key] = flat_rows.view(batch, heads, 1) * capacity
-        offsets = self._offsets_memo[offsets_key]
-        rows = keep + offsets
-        if room:
-            rows = torch.cat([rows, offsets.expand(batch, heads, room)], dim=-1)
-        rows = rows.reshape(-1)
+            self._offsets_memo[memo_key] = flat_rows.view(batch, heads, 1) * slots
+        rows = (keep + self._offsets_memo[memo_key]).reshape(-1)
         if policy.band() is not None:
             self._rows_memo[memo_key] = rows
         return rows
@@ -204,7 +178,6 @@ class StreamingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
-        self._stores, self.room, self._last_append = {}, 0, 1
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 
@@ -217,18 +190,12 @@ class StreamingLayer(CacheLayerMixin):
     def load_state(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
-        self._stores, self.room = {}, 0  # the attributes are compact copies now
         self.is_initialized = self.keys is not None
         if self.is_initialized:
             self.device = self.keys.device
 
 
-#: the per-slot tensors of a layer (tokens only for a policy that reads them)
-_PER_SLOT = ("keys", "values", "positions", "scores", "tokens")
-
-
 def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
-    """x (batch, heads, slots, *rest), contiguous, at `rows` of its flattened form (`kept` per head).
-    index_select on a flat view: CPU gather is ~10x slower."""
+    """x (batch, heads, slots, *rest) at the kept slots. index_select on a flat view: CPU gather is ~10x slower."""
     batch, heads, slots = x.shape[:3]
     return x.reshape(batch * heads * slots, *x.shape[3:]).index_select(0, rows).view(batch, heads, kept, *x.shape[3:])
