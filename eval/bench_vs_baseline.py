@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import environment, main_or_replot, new_figure, save_figure, write_json
+from common import environment, export, main_or_replot, new_figure, save_figure, write_json
 
 #: name: (tree, ppl arguments) for `ppl` contenders; the tree is "baseline" or "head"
 PPL_CONTENDERS = {
@@ -56,15 +56,6 @@ with torch.no_grad():
 seconds_per_token = time_chunks(loaded.model, cache, ids[256:], 256, crop=True)
 print(json.dumps({"tokens_per_second": 1 / seconds_per_token}))
 """
-
-
-def export(revision: str, into: Path) -> Path:
-    """The repository's tree at `revision`, extracted under `into`."""
-    target = into / revision.replace("/", "_").replace("^", "_parent")
-    target.mkdir()
-    archive = subprocess.run(["git", "archive", revision], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target
 
 
 def run_ppl(tree: Path, arguments: list[str], threads: int, tokens: int, data: str, scratch: Path) -> float:

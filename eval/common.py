@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import click
 import torch
@@ -99,3 +101,12 @@ def main_or_replot(main, plot) -> None:
         plot(json.loads(open(sys.argv[2]).read()), sys.argv[2].replace(".json", ".png"))
     else:
         main()
+
+
+def export(revision: str, into: Path) -> Path:
+    """The repository's tree at `revision`, extracted under `into` (to run an earlier commit beside this one)."""
+    target = into / revision.replace("/", "_").replace("^", "_parent")
+    target.mkdir()
+    archive = subprocess.run(["git", "archive", revision], capture_output=True, check=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
+    return target

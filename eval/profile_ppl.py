@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import data_option, environment, main_or_replot, new_figure, save_figure, setup, write_json
+from common import data_option, environment, export, main_or_replot, new_figure, save_figure, setup, write_json
 
 GROUPS = ("model matmuls", "transformers", "h2o-stream", "other")
 #: name: (policy, exact mode, stream tokens profiled)
@@ -73,15 +73,6 @@ def profile_once(source: Path, policy: str, exact: bool, tokens: int, threads: i
     if done.returncode:
         raise click.ClickException(f"the profile of {policy} at {source} failed:\n{done.stderr[-2000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
-
-
-def export(revision: str, into: Path) -> Path:
-    """The repository's tree at `revision` extracted under `into`."""
-    target = into / revision.replace("/", "_").replace("^", "_parent")
-    target.mkdir()
-    archive = subprocess.run(["git", "archive", revision], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
-    return target
 
 
 @click.command()
