@@ -58,6 +58,10 @@ python eval/bench_workers.py --data "$DATA" --tokens 30000 --rounds 1
 python eval/bench_rows.py --data "$DATA" --threads 1,2 --rounds 2 --tokens 2048
 python eval/bench_compile.py
 python eval/profile_ppl.py --before 1c91960^ --data "$DATA" --out eval/results/profile_ppl.json  # before scanning
+# ppl today against ppl at d559c09 (main when the speed issue measured 272 tok/s) and the raw forwards, side by side
+python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 2 --threads 1,2
+# one layer's cache work per decode step before/after a change (here: the reverted in-place append)
+python eval/bench_layer.py --before 4726b47^ --after 4726b47 --policies h2o,sink,tova --threads 1 --rounds 5
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
 # Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
 # resumes from its checkpoint where this machine has one.
@@ -65,8 +69,10 @@ h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/res
 # The long fair-chunk runs at 256 (eval/results/long_fair): the best two of the leaderboard (sink, sepllm) and h2o to
 # 1,048,576 tokens, then h2o and sink on to the 4M headline. They were seeded with the leaderboard's 250k checkpoints
 # (cp eval/results/leaderboard/runs/{sink,sepllm,h2o}-256.{ckpt,json} eval/results/long_fair/), which gives the same
-# result as starting from zero: --resume continues exactly. A run's checkpoint stays in its --out directory (git-ignored):
-# a run that outlives its machine needs eval/save_checkpoints.sh and a remote that keeps the branch it writes.
+# result as starting from zero: --resume continues exactly. A run's checkpoint stays in its --out directory; in
+# eval/results/long_fair and long_4m checkpoints are not git-ignored: an unfinished run's checkpoint is committed at
+# the end of a session (12 MB at cache 256), so that the next session, on whatever machine, continues it. Delete a
+# run's checkpoint once its result covers the tokens asked for (its result file is all a later --resume needs).
 LONG_FAIR=(--data "$DATA" --cache-size 256 --threads 1 --out eval/results/long_fair --resume)
 h2o-stream ppl "${LONG_FAIR[@]}" --policy sink,sepllm,h2o --tokens 1048576 --workers 2
 # 128 and 512 to 1M the same way, from the leaderboard's {sink,h2o}-{128,512} checkpoints
