@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import environment, export, main_or_replot, new_figure, save_figure, setup, write_json
+from common import environment, export, main_or_replot, new_figure, paired_bars, save_figure, setup, write_json
 
 CHILD = r"""
 import json, sys, time
@@ -98,14 +98,9 @@ def main(before, after, policies, steps, rounds, threads, out):
 def plot(report: dict, path: str) -> None:
     medians = report["median_microseconds_per_step"]
     fig, ax = new_figure(size=(6, 3.4))
-    width = 0.38
-    for offset, when, color in ((-width / 2, "before", "#c4c4c4"), (width / 2, "after", "#4c72b0")):
-        ax.bar([i + offset for i in range(len(medians))], [m[when] for m in medians.values()], width,
-               label=f"{when} ({report['commits'][when]})", color=color)
-    ax.set_xticks(range(len(medians)), list(medians))
-    ax.set_ylabel("µs per step, one layer (median)")
-    ax.legend(fontsize=8)
-    save_figure(fig, path, f"one layer's cache work per decode step, cache {report['cache_size']}, "
+    paired_bars(ax, medians, ("before", "after"), "µs per step, one layer (median)")
+    save_figure(fig, path, f"one layer's cache work per decode step, {report['commits']['before']} vs "
+                           f"{report['commits']['after']}, cache {report['cache_size']}, "
                            f"{report['environment']['threads']} thread(s)")
 
 
