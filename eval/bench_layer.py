@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import environment, export, main_or_replot, new_figure, paired_bars, save_figure, setup, write_json
+from common import (environment, export, main_or_replot, new_figure, paired_bars, save_figure, setup, short_revision,
+                    write_json)
 
 CHILD = r"""
 import json, sys, time
@@ -83,8 +84,7 @@ def main(before, after, policies, steps, rounds, threads, out):
                                                       for w in commits))
     medians = {p: {w: statistics.median(v) for w, v in by.items()} for p, by in samples.items()}
     report = {"benchmark": "one layer's cache work per decode step, before/after",
-              "commits": {w: subprocess.run(["git", "rev-parse", "--short", c], capture_output=True, text=True,
-                                            check=True).stdout.strip() for w, c in commits.items()},
+              "commits": {w: short_revision(c) for w, c in commits.items()},
               "cache_size": 256, "steps": steps, "rounds": rounds, "environment": environment(),
               "microseconds_per_step": samples, "median_microseconds_per_step": medians,
               "after_over_before": {p: m["after"] / m["before"] for p, m in medians.items()}}

@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import environment, export, main_or_replot, new_figure, save_figure, write_json
+from common import environment, export, main_or_replot, new_figure, save_figure, short_revision, write_json
 
 #: name: (tree, ppl arguments) for `ppl` contenders; the tree is "baseline" or "head"
 PPL_CONTENDERS = {
@@ -91,10 +91,7 @@ def run_raw(implementation: str, threads: int, tokens: int, data: str) -> float:
 @click.option("--out", default="eval/results/bench_vs_baseline.json", show_default=True)
 def main(baseline, data, tokens, thread_counts, rounds, out):
     counts = [int(t) for t in thread_counts.split(",")]
-    revision = subprocess.run(["git", "rev-parse", "--short", baseline], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
+    revision, head = short_revision(baseline), short_revision("HEAD")
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "h2o_stream"], capture_output=True,
                                 text=True, check=True).stdout.strip())
     names = [*PPL_CONTENDERS, *RAW_CONTENDERS]

@@ -110,3 +110,9 @@ def export(revision: str, into: Path) -> Path:
     archive = subprocess.run(["git", "archive", revision], capture_output=True, check=True).stdout
     subprocess.run(["tar", "-x", "-C", str(target)], input=archive, check=True)
     return target
+
+
+def short_revision(revision: str) -> str:
+    """`git rev-parse --short` of `revision` (what a result records of the commits it compares)."""
+    return subprocess.run(["git", "rev-parse", "--short", revision], capture_output=True, text=True,
+                          check=True).stdout.strip()

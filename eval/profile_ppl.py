@@ -21,7 +21,8 @@ import tempfile
 from pathlib import Path
 
 import click
-from common import data_option, environment, export, main_or_replot, new_figure, save_figure, setup, write_json
+from common import (data_option, environment, export, main_or_replot, new_figure, save_figure, setup, short_revision,
+                    write_json)
 
 GROUPS = ("model matmuls", "transformers", "h2o-stream", "other")
 #: name: (policy, exact mode, stream tokens profiled)
@@ -86,8 +87,7 @@ def main(before, after, cache_size, threads, data, out):
     setup(threads)  # the children set their own; this records the count in the environment
     commits = {"before": before, "after": after}
     report = {"benchmark": "cProfile of PerplexityRun.run before/after", "cache_size": cache_size, "data": data,
-              "commits": {k: subprocess.run(["git", "rev-parse", "--short", v], capture_output=True, text=True,
-                                            check=True).stdout.strip() for k, v in commits.items()},
+              "commits": {k: short_revision(v) for k, v in commits.items()},
               "environment": environment(), "contenders": {}}
     with tempfile.TemporaryDirectory() as scratch:
         sources = {k: export(v, Path(scratch)) for k, v in commits.items()}
