@@ -6,8 +6,9 @@ the raw eager chunked forward at the same span. A number measured on another mac
 this script measures both commits here, in one run:
 
 - every contender runs in a fresh interpreter: `python -m h2o_stream ppl ...` over the commit's tree (extracted with
-  `git archive`; the installed h2o_stream is shadowed by PYTHONPATH), its speed read from the result file
-  (`tokens_per_second`: tokens fed over the seconds spent feeding them, model loading excluded);
+  `git archive`), started in that tree with it on PYTHONPATH (checked: it imports that tree's h2o_stream), its
+  speed read from the result file (`tokens_per_second`: tokens fed over the seconds spent feeding them, model
+  loading excluded);
 - raw: the model's own chunked forward of C = 256 tokens over a DynamicCache cropped back to 256 entries after every
   chunk (the same span as chunked sink, no cache logic), with eager attention and with SDPA;
 - rounds alternate over every contender and thread count, so machine noise hits all alike; medians are reported.
@@ -58,13 +59,31 @@ print(json.dumps({"tokens_per_second": 1 / seconds_per_token}))
 """
 
 
+def tree_environment(tree: Path) -> dict:
+    """How a child runs `tree`'s h2o_stream: in `tree`, with `tree` first on its path.
+
+    `python -m` puts its working directory before PYTHONPATH, so a child started in the repository would import
+    today's h2o_stream whatever PYTHONPATH says (the first version of this script measured today's code twice that
+    way); `check_tree` makes sure it does not happen again.
+    """
+    return {"cwd": tree, "env": {**os.environ, "PYTHONPATH": str(tree)}}
+
+
+def check_tree(tree: Path) -> None:
+    """Fail unless a child started as `run_ppl` starts it imports h2o_stream from `tree`."""
+    done = subprocess.run([sys.executable, "-c", "import h2o_stream; print(h2o_stream.__file__)"],
+                          capture_output=True, text=True, check=True, **tree_environment(tree))
+    imported = Path(done.stdout.strip()).resolve()
+    if not imported.is_relative_to(tree.resolve()):
+        raise click.ClickException(f"a child meant to run {tree} imported h2o_stream from {imported}")
+
+
 def run_ppl(tree: Path, arguments: list[str], threads: int, tokens: int, data: str, scratch: Path) -> float:
     """tok/s of one `ppl` run over `tree`'s h2o_stream, from its result file."""
     out = Path(tempfile.mkdtemp(dir=scratch))
     command = [sys.executable, "-m", "h2o_stream", "ppl", "--data", data, "--tokens", str(tokens), "--threads",
                str(threads), "--cache-size", "256", "--out", str(out / "run"), *arguments]
-    env = {**os.environ, "PYTHONPATH": str(tree)}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
+    done = subprocess.run(command, capture_output=True, text=True, check=False, **tree_environment(tree))
     if done.returncode:
         raise click.ClickException(f"{' '.join(command)} failed over {tree}:\n{done.stderr[-2000:]}")
     results = [p for p in (out / "run").glob("*-256.json")]
@@ -91,6 +110,7 @@ def run_raw(implementation: str, threads: int, tokens: int, data: str) -> float:
 @click.option("--out", default="eval/results/bench_vs_baseline.json", show_default=True)
 def main(baseline, data, tokens, thread_counts, rounds, out):
     counts = [int(t) for t in thread_counts.split(",")]
+    data = str(Path(data).resolve()) if Path(data).exists() else data  # the children run in their trees
     revision, head = short_revision(baseline), short_revision("HEAD")
     dirty = bool(subprocess.run(["git", "status", "--porcelain", "--", "h2o_stream"], capture_output=True,
                                 text=True, check=True).stdout.strip())
@@ -100,6 +120,7 @@ def main(baseline, data, tokens, thread_counts, rounds, out):
         scratch = Path(scratch_dir)
         trees = {"baseline": export(baseline, scratch), "head": Path(__file__).resolve().parents[1]}
         for tree in trees.values():  # warm-up: each tree prepares the default model its own way once
+            check_tree(tree)
             run_ppl(tree, ["--policy", "sink"], 1, 256, data, scratch)
         for r in range(rounds):
             for threads in counts:
