@@ -5,9 +5,11 @@ Everything runs offline on the tiny model and tokenizer from conftest.py; the GG
 `gguf` package. Only the edges are faked: the Hub, and the `gguf` import.
 """
 
+import gc
 import random
 import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -68,6 +70,17 @@ def test_a_model_directory_loads_with_the_same_logits(model_dir, model, tokenize
     assert thread_counts == [1]
     assert torch.equal(logits(loaded.model), logits(model))
     assert loaded.tokenizer(TEXT).input_ids == tokenizer(TEXT).input_ids
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's memory map (Linux)")
+def test_a_model_directory_is_copied_out_of_its_mapped_weights_file(model_dir, model):
+    weights = str((Path(model_dir) / "model.safetensors").resolve())
+    loaded = load_model(model_dir)
+    gc.collect()
+    assert weights not in Path("/proc/self/maps").read_text()  # no tensor of the model still reads the file
+    assert torch.equal(logits(loaded.model), logits(model))
+    if loaded.model.config.tie_word_embeddings:  # a copy per tensor, not per name: tied weights stay one tensor
+        assert loaded.model.get_output_embeddings().weight is loaded.model.get_input_embeddings().weight
 
 
 def test_a_model_directory_loads_in_the_requested_dtype(model_dir, model):
