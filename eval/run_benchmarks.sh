@@ -59,7 +59,9 @@ python eval/bench_rows.py --data "$DATA" --threads 1,2 --rounds 2 --tokens 2048
 python eval/bench_compile.py
 python eval/profile_ppl.py --before 1c91960^ --data "$DATA" --out eval/results/profile_ppl.json  # before scanning
 # ppl today against ppl at d559c09 (main when the speed issue measured 272 tok/s) and the raw forwards, side by side
-python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 2 --threads 1,2
+python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2
+# the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
+python eval/bench_weights.py --data "$DATA" --rounds 3 --threads 1,2
 # one layer's cache work per decode step before/after a change (here: the reverted in-place append)
 python eval/bench_layer.py --before 4726b47^ --after 4726b47 --policies h2o,sink,tova --threads 1 --rounds 5
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
