@@ -37,7 +37,10 @@ def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_mode
     run_to_end(ppl_command(*args, "--out", tmp_path / "whole"))
     out = tmp_path / "out"
     command = ppl_command(*args, "--out", out, "--workers", 2)
-    process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}), stdout=subprocess.PIPE,
+    # Each of a run's ~75 checkpoints takes 0.25 s, so a run lasts ~19 s: long enough for the second worker to load
+    # and start its run before the first worker's run ends, even on a loaded machine (with 0.05 s, a worker that
+    # took over 4 s to start once found its partner's first run done and the signal caught only one run).
+    process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.25"}), stdout=subprocess.PIPE,
                                stderr=subprocess.PIPE, text=True)
     runs = [out / f"{name}.ckpt" for name in ("h2o-16", "h2o-24", "sink-16", "sink-24")]
     wait_for(lambda: sum(path.exists() for path in runs) >= 2, "both workers' first checkpoints", process)
