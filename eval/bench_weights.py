@@ -31,7 +31,8 @@ from transformers import DynamicCache
 from common import corpus_tokens, time_chunks
 from h2o_stream.loading.default_model import load_default
 from h2o_stream.loading.models import load_model
-contender, threads, chunks, samples, data = sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), sys.argv[6]
+contender, data = sys.argv[2], sys.argv[6]
+threads, chunks, samples = (int(a) for a in sys.argv[3:6])
 torch.set_num_threads(threads)
 if contender.startswith("copied ("):
     loaded = load_model(None)
