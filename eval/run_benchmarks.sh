@@ -60,6 +60,8 @@ python eval/bench_compile.py
 python eval/profile_ppl.py --before 1c91960^ --data "$DATA" --out eval/results/profile_ppl.json  # before scanning
 # ppl today against ppl at d559c09 (main when the speed issue measured 272 tok/s) and the raw forwards, side by side
 python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2
+python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 2 \
+    --out eval/results/bench_vs_baseline_2threads_recheck.json  # run C: 2 threads again, right after
 # the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
 python eval/bench_weights.py --data "$DATA" --rounds 3 --threads 1,2
 # one layer's cache work per decode step before/after a change (here: the reverted in-place append)
