@@ -90,7 +90,10 @@ class StreamingLayer(CacheLayerMixin):
         if self.roller is not None:
             key_states = self.roller.unrotate(key_states, n, n + c)
         batch, heads = self.positions.shape[:2]
-        new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
+        if c == 1:  # exact mode: one operation instead of two
+            new_positions = self.positions.new_full((batch, heads, 1), self.seen)
+        else:
+            new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)

@@ -18,7 +18,7 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 
-from .base import HEAVY, RECENT, EvictionPolicy, Setting, last_slots, top_slots
+from .base import HEAVY, RECENT, EvictionPolicy, Setting, keep_top
 from .registry import register
 
 
@@ -51,5 +51,4 @@ class A2SFPolicy(EvictionPolicy):
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
-        heavy = top_slots(scores[..., : n - self.recent], self.heavy)
-        return torch.cat([heavy, last_slots(n, self.recent, positions)], dim=-1)
+        return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)

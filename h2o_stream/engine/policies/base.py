@@ -14,6 +14,7 @@ these declarations, so a new policy is one file in this folder with `@register` 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -311,11 +312,7 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order:
     caller that only marks them), one sort fewer."""
     m = ranks.shape[-1]
     if count == m - 1:
-        # Exact mode's usual cut, one entry: drop the lowest rank, of equal lowest ranks the newest (argmin of the
-        # flipped ranks finds the last). Two sorts per layer and step were a tenth of the cache's time per token.
-        drop = (m - 1) - ranks.flip(-1).argmin(dim=-1, keepdim=True)
-        slots = torch.arange(m - 1, device=ranks.device).expand(*ranks.shape[:-1], m - 1)
-        top = slots + (slots >= drop)
+        top = _all_but(_lowest_last(ranks), m, ranks)
         return top + start if start else top
     # A stable descending sort keeps equal ranks in slot (= stream) order, so ties favour the older entry.
     top = torch.sort(ranks, dim=-1, descending=True, stable=True).indices[..., :count]
@@ -324,13 +321,49 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order:
     return top + start if start else top
 
 
+def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> torch.Tensor:
+    """What most scored policies keep: the first `sinks` slots, the `count` highest `ranks` among the slots between
+    them and the last `recent` (ranks (batch, heads, m) covers exactly those m), and the last `recent`; ascending.
+    Ties as in `top_slots`."""
+    m = ranks.shape[-1]
+    n = sinks + m + recent
+    if count == m - 1:
+        # Exact mode's usual cut, one entry: every slot but the dropped one, without assembling three parts.
+        return _all_but(sinks + _lowest_last(ranks), n, ranks)
+    parts = [first_slots(sinks, ranks)] if sinks else []
+    parts += [top_slots(ranks, count, start=sinks), last_slots(n, recent, ranks)]
+    return torch.cat(parts, dim=-1)
+
+
+def _lowest_last(ranks: torch.Tensor) -> torch.Tensor:
+    """(batch, heads, 1): the slot of the lowest rank, of equal lowest ranks the newest (argmin of the flipped ranks
+    finds the last). Two sorts per layer and step were a tenth of the cache's time per token."""
+    return (ranks.shape[-1] - 1) - ranks.flip(-1).argmin(dim=-1, keepdim=True)
+
+
+def _all_but(drop: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
+    """Slots 0..n-1 without `drop` (batch, heads, 1), ascending: (batch, heads, n - 1)."""
+    slots = slot_range(0, n - 1, like)
+    return slots + (slots >= drop)
+
+
 def first_slots(count: int, like: torch.Tensor) -> torch.Tensor:
     """Slot indices 0..count-1 broadcast to like's (batch, kv_heads) shape: where the stream's first `count` tokens
     sit once a policy that always keeps them has cut at least once."""
-    return torch.arange(count, device=like.device).expand(*like.shape[:2], count)
+    return slot_range(0, count, like)
 
 
 def last_slots(n: int, count: int, like: torch.Tensor) -> torch.Tensor:
     """Slot indices n-count..n-1 broadcast to like's (batch, kv_heads) shape."""
-    batch, heads = like.shape[:2]
-    return torch.arange(n - count, n, device=like.device).expand(batch, heads, count)
+    return slot_range(n - count, n, like)
+
+
+def slot_range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
+    """Slot indices start..stop-1 broadcast to like's (batch, kv_heads) shape. Memoised (every layer and step asks
+    for the same few): never modify the result in place."""
+    return _slot_range(start, stop, tuple(like.shape[:2]), like.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _slot_range(start: int, stop: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    return torch.arange(start, stop, device=device).expand(*shape, stop - start)

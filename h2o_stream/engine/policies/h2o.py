@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEAVY, RECENT, EvictionPolicy, last_slots, top_slots
+from .base import HEAVY, RECENT, EvictionPolicy, keep_top
 from .registry import register
 
 
@@ -26,5 +26,4 @@ class H2OPolicy(EvictionPolicy):
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
-        heavy = top_slots(scores[..., : n - self.recent], self.heavy)
-        return torch.cat([heavy, last_slots(n, self.recent, positions)], dim=-1)
+        return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)

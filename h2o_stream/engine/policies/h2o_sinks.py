@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEAVY, RECENT, SINKS, EvictionPolicy, first_slots, last_slots, top_slots
+from .base import HEAVY, RECENT, SINKS, EvictionPolicy, keep_top
 from .registry import register
 
 
@@ -31,5 +31,4 @@ class H2OSinksPolicy(EvictionPolicy):
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
         n = positions.shape[-1]
-        heavy = top_slots(scores[..., self.sinks: n - self.recent], self.heavy, start=self.sinks)
-        return torch.cat([first_slots(self.sinks, positions), heavy, last_slots(n, self.recent, positions)], dim=-1)
+        return keep_top(scores[..., self.sinks: n - self.recent], self.heavy, sinks=self.sinks, recent=self.recent)

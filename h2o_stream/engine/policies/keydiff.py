@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import RECENT, SINKS, EvictionPolicy, Part, first_slots, last_slots, top_slots
+from .base import RECENT, SINKS, EvictionPolicy, Part, keep_top
 from .registry import register
 
 
@@ -46,5 +46,4 @@ class KeyDiffPolicy(EvictionPolicy):
         # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
         n = positions.shape[-1]
         similarity = anchor_similarity(keys)[..., self.sinks: n - self.recent]
-        chosen = top_slots(-similarity, self.diverse, start=self.sinks)
-        return torch.cat([first_slots(self.sinks, positions), chosen, last_slots(n, self.recent, positions)], dim=-1)
+        return keep_top(-similarity, self.diverse, sinks=self.sinks, recent=self.recent)

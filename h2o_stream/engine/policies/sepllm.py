@@ -21,7 +21,7 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 
-from .base import RECENT, SINKS, EvictionPolicy, Part, first_slots, last_slots, top_slots
+from .base import RECENT, SINKS, EvictionPolicy, Part, keep_top
 from .registry import register
 
 #: SepLLM's separators: a token made only of these (and at least one of them) is a separator
@@ -75,8 +75,7 @@ class SepLLMPolicy(EvictionPolicy):
         is_separator = torch.isin(middle, _id_tensor(self.separator_ids, middle.device))
         # Rank separators above the rest, newer above older within each: (is separator, slot), as one number.
         ranks = is_separator.long() * n + torch.arange(middle.shape[-1], device=middle.device)
-        chosen = top_slots(ranks, self.separators, start=self.sinks)
-        return torch.cat([first_slots(self.sinks, positions), chosen, last_slots(n, self.recent, positions)], dim=-1)
+        return keep_top(ranks, self.separators, sinks=self.sinks, recent=self.recent)
 
     def describe(self) -> str:
         return (f"{self.name}(sinks={self.sinks}, separators={self.separators}, recent={self.recent}; "
