@@ -329,7 +329,8 @@ def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> tor
     n = sinks + m + recent
     if count == m - 1:
         # Exact mode's usual cut, one entry: every slot but the dropped one, without assembling three parts.
-        return _all_but(sinks + _lowest_last(ranks), n, ranks)
+        drop = _lowest_last(ranks)
+        return _all_but(drop + sinks if sinks else drop, n, ranks)
     parts = [first_slots(sinks, ranks)] if sinks else []
     parts += [top_slots(ranks, count, start=sinks), last_slots(n, recent, ranks)]
     return torch.cat(parts, dim=-1)
