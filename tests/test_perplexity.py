@@ -16,7 +16,7 @@ from ppl_helpers import ppl
 from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_model
 
 from h2o_stream import make_policy, stream_perplexity
-from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+from h2o_stream.apps.perplexity.run import NLL_ROWS, PerplexityRun, token_nll, token_pieces
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
@@ -59,6 +59,26 @@ def test_full_policy_matches_one_plain_forward():
     result = stream_perplexity(model, None, ids[0], policy="full", chunk_size=48)
     assert result.predicted == 199 and result.tokens_fed == 200
     assert result.nll_sum == pytest.approx(expected.item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, NLL_ROWS - 1, NLL_ROWS, NLL_ROWS + 1, 8 * NLL_ROWS + 5])
+def test_token_nll_in_blocks_equals_one_cross_entropy_bit_for_bit(rows):
+    generator = torch.Generator().manual_seed(rows)
+    logits = torch.randn(rows, 5000, generator=generator) * 4
+    targets = torch.randint(0, 5000, (rows,), generator=generator)
+    expected = torch.nn.functional.cross_entropy(logits, targets, reduction="none")
+    assert torch.equal(token_nll(logits, targets), expected)
+
+
+def test_chunks_with_pending_logits_sum_the_nll_of_one_plain_forward():
+    """The first token of every chunk after the first is predicted by the previous chunk's last logits."""
+    model = tiny_model("llama")
+    ids = random_ids(3 * NLL_ROWS + 7)
+    expected = torch.nn.functional.cross_entropy(model(ids).logits[0, :-1], ids[0, 1:], reduction="none")
+    run = PerplexityRun(model, make_policy("full"), chunk_size=NLL_ROWS + 3, record_tokens=True)
+    run.run(token_pieces(ids[0]))
+    assert run.predicted == ids.shape[1] - 1
+    assert torch.allclose(torch.cat(run.token_nll), expected, atol=1e-5, rtol=0)
 
 
 def test_books_are_concatenated_or_reset():
