@@ -89,11 +89,15 @@ class RopeRoller:
             t["rows"][key] = (cos[start:], sin_rh[start:])
         return t["rows"][key]
 
-    def rotate_by(self, x: torch.Tensor, positions: torch.Tensor, *, inverse: bool, length: int) -> torch.Tensor:
-        """x (..., L, head_dim) rotated (or un-rotated) by per-row positions (L,), each < length."""
-        t = self.table(length, x.device)
-        cos, sin_rh = (t["ucos"], t["usin_rh"]) if inverse else (t["cos"], t["sin_rh"])
-        return _apply(x, cos[positions], sin_rh[positions])
+    def rotate_capped(self, x: torch.Tensor, start: int, stop: int, cap: int) -> torch.Tensor:
+        """x (..., L, head_dim) rotated to positions min(p, cap) for p = start..stop-1 (queries moved back to the
+        slot exact mode gives them relative to the sinks), from table rows memoised like `rotate`'s."""
+        t = self.table(stop, x.device)
+        key = ("capped", start, cap)
+        if key not in t["rows"]:
+            positions = torch.arange(start, stop, device=x.device).clamp(max=cap)
+            t["rows"][key] = (t["cos"][positions], t["sin_rh"][positions])
+        return _apply(x, *t["rows"][key])
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin_rh: torch.Tensor) -> torch.Tensor:

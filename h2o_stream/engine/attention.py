@@ -63,18 +63,32 @@ def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks
     """What `attend_with_scores` computes for a chunk whose sink columns need `sink_query`, without its explicit
     softmax over the whole (q_len, k_len) block: the band columns go through the fused kernel, the few sink columns
     are computed directly, and the two softmax parts are merged by their log-sum-exps. (batch, q_len, q_heads, dim)."""
-    group = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
-    band = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill_(~mask, float("-inf"))
-    band[..., :sinks] = float("-inf")
-    band_out, band_lse = _FLASH_CPU(query, key, value, attn_mask=band, scale=scaling)[:2]
-    sink_logits = torch.matmul(sink_query, key[..., :sinks, :].transpose(-1, -2)).mul_(scaling)
+    batch, q_heads, q_len, dim = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    # Query head h reads KV head h // group: each group's queries become rows of its KV head (as in
+    # `attend_with_scores`), where repeating the keys and values for every query head copied them in every layer.
+    rows = (batch, kv_heads, group * q_len, dim)
+    band = band_bias(mask, sinks, group, query.dtype)
+    band_out, band_lse = _FLASH_CPU(query.reshape(rows), key, value, attn_mask=band, scale=scaling)[:2]
+    sink_logits = torch.matmul(sink_query.reshape(rows), key[..., :sinks, :].transpose(-1, -2)).mul_(scaling)
     top = torch.maximum(band_lse, sink_logits.amax(dim=-1))
     band_weight = torch.exp(band_lse - top).unsqueeze(-1)
     sink_weights = torch.exp(sink_logits - top.unsqueeze(-1))
     total = band_weight + sink_weights.sum(dim=-1, keepdim=True)
     output = (band_out * band_weight + torch.matmul(sink_weights, value[..., :sinks, :])) / total
-    return output.transpose(1, 2)
+    return output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
+
+
+@functools.lru_cache(maxsize=8)
+def band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The band part of a banded bool `mask` (batch, 1, q_len, k_len) in additive form, its sink columns closed (they
+    are computed apart), repeated for the `group` query heads folded into its rows: (batch, 1, group * q_len, k_len).
+    Memoised by the mask object, which every layer of a forward shares (and the cache reuses across forwards of one
+    shape); never modify either."""
+    band = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+    band[..., :sinks] = float("-inf")
+    return band.repeat(1, 1, group, 1) if group > 1 else band
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
@@ -115,9 +129,8 @@ def sink_queries(roller, query: torch.Tensor, cached: int, budget: int, sinks: i
     length = query.shape[-2]
     if not (roller is not None and sinks and length > 1 and cached + length - 1 > budget):
         return None
-    slots = torch.arange(cached, cached + length, device=query.device)
-    raw = roller.rotate_by(query, slots, inverse=True, length=cached + length)
-    return roller.rotate_by(raw, slots.clamp(max=budget), inverse=False, length=cached + length)
+    raw = roller.unrotate(query, cached, cached + length)
+    return roller.rotate_capped(raw, cached, cached + length, budget)
 
 
 def layer_mean(received: torch.Tensor, q_heads: int) -> torch.Tensor:

@@ -21,6 +21,8 @@ The per-layer storage and its invariants are in `layer.py`.
 
 from __future__ import annotations
 
+import functools
+
 import math
 import weakref
 
@@ -55,6 +57,16 @@ def default_chunk_size(policy: EvictionPolicy) -> int:
         return BAND_CHUNK
     shielded = 1 << (policy.split().get("recent", 0) + 1).bit_length() - 1  # largest power of two <= recent + 1
     return max(1, min(math.floor(policy.budget * policy.fair_chunk_share), shielded))
+
+
+@functools.lru_cache(maxsize=16)
+def _band_mask(sinks: int, recent: int, n: int, length: int, device: torch.device) -> torch.Tensor:
+    """`StreamingCache.band_mask`, memoised: in steady state every forward has the same shape, so the attention's
+    derived masks (`band_bias`) are memoised too. Never modify the result."""
+    query_slot = torch.arange(n, n + length, device=device).unsqueeze(-1)
+    key_slot = torch.arange(n + length, device=device)
+    visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
+    return visible[None, None]
 
 
 def _model_shape(config) -> tuple[int, int, int]:
@@ -335,12 +347,7 @@ class StreamingCache(Cache):
         band = self.policy.band()
         if band is None or length == 1:
             return None
-        sinks, recent = band
-        n = self.slots
-        query_slot = torch.arange(n, n + length, device=device).unsqueeze(-1)
-        key_slot = torch.arange(n + length, device=device)
-        visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
-        return visible[None, None]
+        return _band_mask(*band, self.slots, length, device)
 
     def state(self) -> dict:
         return {"policy": self.policy.settings(), "rolling": self.rolling,
