@@ -9,21 +9,27 @@ from h2o_stream.engine.attention import attend_with_scores, attend_with_sink_que
 
 
 @pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])
-def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads):
+@pytest.mark.parametrize("layout", ["contiguous", "transposed"])  # the model hands over transposed projections
+def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads, layout):
     torch.manual_seed(0)
-    sinks, recent, cached, length, dim = 4, 20, 24, 16, 32
-    query = torch.randn(batch, q_heads, length, dim)
-    sink_query = torch.randn(batch, q_heads, length, dim)
+    sinks, cached, length, dim = 4, 24, 16, 32
+    def queries():
+        if layout == "contiguous":
+            return torch.randn(batch, q_heads, length, dim)
+        return torch.randn(batch, length, q_heads, dim).transpose(1, 2)
+    query, sink_query = queries(), queries()
     key = torch.randn(batch, kv_heads, cached + length, dim) * 2
     value = torch.randn(batch, kv_heads, cached + length, dim)
     query_slot = torch.arange(cached, cached + length).unsqueeze(-1)
     key_slot = torch.arange(cached + length)
-    mask = ((key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent)))[None, None]
-    assert fused_sink_attention_applies(query, key, mask, sinks)
-    fused = attend_with_sink_queries(query, key, value, mask, 0.2, sink_query, sinks)
-    reference, _ = attend_with_scores(query, key, value, mask, 0.2, None, sink_query, sinks)
-    assert fused.shape == reference.shape == (batch, length, q_heads, dim)
-    assert torch.allclose(fused, reference, atol=1e-5, rtol=0), (fused - reference).abs().max()
+    # two masks of one shape in turn: the memoised additive band must follow the mask, not its shape
+    for recent in (20, 6, 20):
+        mask = ((key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent)))[None, None]
+        assert fused_sink_attention_applies(query, key, mask, sinks)
+        fused = attend_with_sink_queries(query, key, value, mask, 0.2, sink_query, sinks)
+        reference, _ = attend_with_scores(query, key, value, mask, 0.2, None, sink_query, sinks)
+        assert fused.shape == reference.shape == (batch, length, q_heads, dim)
+        assert torch.allclose(fused, reference, atol=1e-5, rtol=0), (recent, (fused - reference).abs().max())
 
 
 def test_fused_sink_attention_refuses_chunks_that_start_among_the_sinks():

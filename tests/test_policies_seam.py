@@ -13,7 +13,7 @@ from tiny_models import random_ids, tiny_model
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import EvictionPolicy, declared_options
-from h2o_stream.engine.policies.base import ages, top_slots
+from h2o_stream.engine.policies.base import ages, keep_top, top_slots
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 
 TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
@@ -249,3 +249,18 @@ def test_top_slots_one_entry_cut_equals_the_stable_sort():
         assert torch.equal(top_slots(ranks, m - 1), by_sort(ranks, m - 1))
         assert torch.equal(top_slots(ranks, m - 1, start=5), by_sort(ranks, m - 1) + 5)
         assert torch.equal(top_slots(ranks, m // 2), by_sort(ranks, m // 2))
+
+
+def test_keep_top_is_sinks_then_the_top_ranks_then_the_recent_window():
+    """keep_top's one-entry cut returns every slot but one in a single range; it must equal the three parts
+    assembled, ties going to the older entry, with and without sinks, at any cut."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        sinks, recent = (int(v) for v in torch.randint(0, 5, (2,), generator=generator))
+        m = int(torch.randint(2, 30, (1,), generator=generator))
+        ranks = torch.randint(0, 4, (2, 3, m), generator=generator).double()
+        n = sinks + m + recent
+        for count in (m - 1, m // 2):
+            expected = torch.cat([torch.arange(sinks).expand(2, 3, sinks), top_slots(ranks, count, start=sinks),
+                                  torch.arange(n - recent, n).expand(2, 3, recent)], dim=-1)
+            assert torch.equal(keep_top(ranks, count, sinks=sinks, recent=recent), expected)
