@@ -62,10 +62,20 @@ python eval/profile_ppl.py --before 1c91960^ --data "$DATA" --out eval/results/p
 python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2
 python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 2 \
     --out eval/results/bench_vs_baseline_2threads_recheck.json  # run C: 2 threads again, right after
+python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2 \
+    --out eval/results/bench_vs_baseline_run_d.json  # run D: after the NLL and sink-attention changes (at 4151aa9)
+# ppl sink's chunk against the raw eager forward in one process, before/after those changes; the NLL alone
+python eval/bench_sink_chunk.py --data "$DATA" --before 97bc2d2 --after 4151aa9 --threads 1,2 --chunks 16 --rounds 3
+python eval/bench_nll.py --threads 1,2 --rounds 20
+# exact mode and chat on the next session's machine, after the cut and rotation changes (at 4151aa9)
+python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/decode_now/bench_exact_2threads.json
+python eval/bench_exact.py --threads 1 --rounds 8 --out eval/results/decode_now/bench_exact_1thread.json
 # the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
 python eval/bench_weights.py --data "$DATA" --rounds 3 --threads 1,2
 # one layer's cache work per decode step before/after a change (here: the reverted in-place append)
 python eval/bench_layer.py --before 4726b47^ --after 4726b47 --policies h2o,sink,tova --threads 1 --rounds 5
+python eval/bench_layer.py --before 97bc2d2 --after 4151aa9 --policies h2o,sink,tova,keydiff --rounds 7 \
+    --out eval/results/bench_layer_keep_top.json  # keep_top, memoised slot ranges and table rows, roll
 # The leaderboard: every policy at 128/256/512 over 250k tokens, then the best two with h2o and sink at 256 over 1M.
 # Rerunning continues: finished runs are kept from their result files (also on a fresh clone), an interrupted run
 # resumes from its checkpoint where this machine has one.
