@@ -15,7 +15,7 @@ import time
 
 import click
 import torch
-from common import environment, main_or_replot, new_figure, paired_bars, save_figure, write_json
+from common import environment, main_or_replot, save_pairs_by_threads, write_json
 
 from h2o_stream.apps.perplexity.run import NLL_ROWS, token_nll
 
@@ -64,10 +64,8 @@ def main(chunk, vocab, thread_counts, rounds, out):
 
 
 def plot(report: dict, path: str) -> None:
-    groups = {f"{t} thread(s)": by for t, by in report["median_milliseconds"].items()}
-    fig, ax = new_figure(size=(6, 3.4))
-    paired_bars(ax, groups, ("before", "after"), "ms per chunk (median)")
-    save_figure(fig, path, f"per-token NLL of a {report['chunk']}-token chunk, vocabulary {report['vocab']:,}")
+    save_pairs_by_threads(report["median_milliseconds"], ("before", "after"), "ms per chunk (median)", path,
+                          f"per-token NLL of a {report['chunk']}-token chunk, vocabulary {report['vocab']:,}")
 
 
 if __name__ == "__main__":

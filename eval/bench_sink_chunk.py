@@ -25,8 +25,8 @@ from pathlib import Path
 
 import click
 import torch
-from common import (corpus_tokens, data_option, environment, export, main_or_replot, new_figure, paired_bars,
-                    save_figure, short_revision, write_json)
+from common import (corpus_tokens, data_option, environment, export, main_or_replot, save_pairs_by_threads,
+                    short_revision, write_json)
 
 from h2o_stream.loading.models import load_model
 
@@ -114,12 +114,9 @@ def main(before, after, data, thread_counts, chunks, rounds, out):
 
 
 def plot(report: dict, path: str) -> None:
-    groups = {f"{t} thread(s)": by for t, by in report["median_ppl_over_raw"].items()}
-    fig, ax = new_figure(size=(6, 3.4))
-    paired_bars(ax, groups, ("before", "after"), "ppl sink tok/s / raw eager tok/s")
-    ax.axhline(1.0, color="red", linestyle="--")
-    save_figure(fig, path, f"ppl sink vs raw eager chunked forward, {report['commits']['before']} vs "
-                           f"{report['commits']['after']}, cache 256, chunk 256")
+    save_pairs_by_threads(report["median_ppl_over_raw"], ("before", "after"), "ppl sink tok/s / raw eager tok/s", path,
+                          f"ppl sink vs raw eager chunked forward, {report['commits']['before']} vs "
+                          f"{report['commits']['after']}, cache 256, chunk 256", reference=1.0)
 
 
 if __name__ == "__main__":

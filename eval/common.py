@@ -82,6 +82,17 @@ def paired_bars(ax, groups: dict[str, dict[str, float]], pair: tuple[str, str], 
     ax.legend(fontsize=8)
 
 
+def save_pairs_by_threads(by_threads: dict[str, dict[str, float]], pair: tuple[str, str], ylabel: str, path,
+                          title: str, reference: float | None = None) -> None:
+    """A PNG of `paired_bars`, one group per thread count (`by_threads` maps "1", "2", ... to the pair's values),
+    with a dashed line at `reference` if given."""
+    fig, ax = new_figure(size=(6, 3.4))
+    paired_bars(ax, {f"{threads} thread(s)": values for threads, values in by_threads.items()}, pair, ylabel)
+    if reference is not None:
+        ax.axhline(reference, color="red", linestyle="--")
+    save_figure(fig, path, title)
+
+
 def save_figure(fig, path, title: str) -> None:
     """Title `fig`, write it to `path` atomically as a PNG, and free it."""
     import matplotlib.pyplot as plt
