@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_stream.engine.attention import attend_with_scores, attend_with_sink_queries, fused_sink_attention_applies
+from h2o_stream.engine.attention import (attend_with_scores, attend_with_sink_queries, band_bias,
+                                         fused_sink_attention_applies)
 
 
 @pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])
@@ -37,3 +38,12 @@ def test_fused_sink_attention_refuses_chunks_that_start_among_the_sinks():
     mask = torch.ones(1, 1, 8, 10, dtype=torch.bool)
     assert not fused_sink_attention_applies(query, key, mask, 4)  # only 2 entries were cached before the chunk
     assert fused_sink_attention_applies(query, key, mask, 2)
+
+
+def test_band_bias_is_memoised_per_mask_but_not_kept_for_very_wide_chunks():
+    small = torch.ones(1, 1, 16, 40, dtype=torch.bool)
+    assert band_bias(small, 4, 3, torch.float32) is band_bias(small, 4, 3, torch.float32)
+    wide = torch.ones(1, 1, 2048, 4096, dtype=torch.bool)  # a 2048-token chunk: 96 MB in additive form with group 3
+    first, second = band_bias(wide, 4, 3, torch.float32), band_bias(wide, 4, 3, torch.float32)
+    assert first is not second and torch.equal(first, second)
+    assert first.shape == (1, 1, 3 * 2048, 4096) and torch.isinf(first[..., :4]).all() and (first[..., 4:] == 0).all()

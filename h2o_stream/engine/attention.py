@@ -80,15 +80,27 @@ def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks
     return output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
 
 
-@functools.lru_cache(maxsize=8)
 def band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -> torch.Tensor:
     """The band part of a banded bool `mask` (batch, 1, q_len, k_len) in additive form, its sink columns closed (they
     are computed apart), repeated for the `group` query heads folded into its rows: (batch, 1, group * q_len, k_len).
     Memoised by the mask object, which every layer of a forward shares (and the cache reuses across forwards of one
-    shape); never modify either."""
+    shape), unless it is large (very wide chunks), where keeping it would cost more memory than rebuilding costs time.
+    Never modify either."""
+    if mask.numel() * group * torch.finfo(dtype).bits // 8 > _MEMOISED_BAND_BYTES:
+        return _band_bias(mask, sinks, group, dtype)
+    return _memoised_band_bias(mask, sinks, group, dtype)
+
+
+_MEMOISED_BAND_BYTES = 8 << 20  # 256-token chunks over 512 keys with 3 query heads per KV head: 1.5 MB
+
+
+def _band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -> torch.Tensor:
     band = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
     band[..., :sinks] = float("-inf")
     return band.repeat(1, 1, group, 1) if group > 1 else band
+
+
+_memoised_band_bias = functools.lru_cache(maxsize=8)(_band_bias)
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
