@@ -40,6 +40,8 @@ h2o-stream ppl "${GAP[@]}" --policy tova,h2o,a2sf,h2o_sinks,sepllm,keydiff --chu
 h2o-stream ppl "${GAP[@]}" --policy tova,roco --chunk-size 8 --out eval/results/fair_chunks/chunked-c8
 h2o-stream ppl "${GAP[@]}" --policy tova,roco --chunk-size 16 --out eval/results/fair_chunks/chunked-c16
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
+python eval/fair_chunks.py --data "$DATA" --threads 2 --round-tokens 512 \
+    --out eval/results/fair_chunks_session15.json  # a third run, the next session's machine (at df07ed0)
 # tova, the one policy past the 1% gap at 20k tokens, and h2o for comparison: exact and chunked over 60k (the gap's
 # standard error). tova's runs are fresh; h2o's exact run was resumed at 20k and at 40,960 (resuming is exact).
 for policy in tova h2o; do
