@@ -73,31 +73,30 @@ class RopeRoller:
 
     def rotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """x (..., L, head_dim) rotated to positions start..stop-1 (L = stop - start)."""
-        return _apply(x, *self._rows(stop, start, x.device, inverse=False))
+        return _apply(x, *self._rows(start, stop, x.device, inverse=False))
 
     def unrotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
         """Inverse of the model's rotation of x at positions start..stop-1."""
-        return _apply(x, *self._rows(stop, start, x.device, inverse=True))
-
-    def _rows(self, length: int, start: int, device: torch.device, *, inverse: bool):
-        """(cos, sin_rh) rows start..length-1 of the table for `length`, memoised with it: the slices are the same
-        few in every layer and step."""
-        t = self.table(length, device)
-        key = (start, inverse)
-        if key not in t["rows"]:
-            cos, sin_rh = (t["ucos"], t["usin_rh"]) if inverse else (t["cos"], t["sin_rh"])
-            t["rows"][key] = (cos[start:], sin_rh[start:])
-        return t["rows"][key]
+        return _apply(x, *self._rows(start, stop, x.device, inverse=True))
 
     def rotate_capped(self, x: torch.Tensor, start: int, stop: int, cap: int) -> torch.Tensor:
         """x (..., L, head_dim) rotated to positions min(p, cap) for p = start..stop-1 (queries moved back to the
-        slot exact mode gives them relative to the sinks), from table rows memoised like `rotate`'s."""
-        t = self.table(stop, x.device)
-        key = ("capped", start, cap)
+        slot exact mode gives them relative to the sinks)."""
+        return _apply(x, *self._rows(start, stop, x.device, inverse=False, cap=cap))
+
+    def _rows(self, start: int, stop: int, device: torch.device, *, inverse: bool, cap: int | None = None):
+        """(cos, sin_rh) of the table for `stop` at positions start..stop-1 (each at most `cap`, if given),
+        memoised with the table: every layer and step asks for the same few."""
+        t = self.table(stop, device)
+        key = (start, inverse, cap)
         if key not in t["rows"]:
-            positions = torch.arange(start, stop, device=x.device).clamp(max=cap)
-            t["rows"][key] = (t["cos"][positions], t["sin_rh"][positions])
-        return _apply(x, *t["rows"][key])
+            cos, sin_rh = (t["ucos"], t["usin_rh"]) if inverse else (t["cos"], t["sin_rh"])
+            if cap is None:
+                t["rows"][key] = (cos[start:], sin_rh[start:])
+            else:
+                positions = torch.arange(start, stop, device=device).clamp(max=cap)
+                t["rows"][key] = (cos[positions], sin_rh[positions])
+        return t["rows"][key]
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin_rh: torch.Tensor) -> torch.Tensor:

@@ -80,6 +80,9 @@ def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks
     return output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
 
 
+_MEMOISED_BAND_BYTES = 8 << 20  # 256-token chunks over 512 keys with 3 query heads per KV head: 1.5 MB
+
+
 def band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -> torch.Tensor:
     """The band part of a banded bool `mask` (batch, 1, q_len, k_len) in additive form, its sink columns closed (they
     are computed apart), repeated for the `group` query heads folded into its rows: (batch, 1, group * q_len, k_len).
@@ -89,9 +92,6 @@ def band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) ->
     if mask.numel() * group * torch.finfo(dtype).bits // 8 > _MEMOISED_BAND_BYTES:
         return _band_bias(mask, sinks, group, dtype)
     return _memoised_band_bias(mask, sinks, group, dtype)
-
-
-_MEMOISED_BAND_BYTES = 8 << 20  # 256-token chunks over 512 keys with 3 query heads per KV head: 1.5 MB
 
 
 def _band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -> torch.Tensor:

@@ -22,7 +22,6 @@ The per-layer storage and its invariants are in `layer.py`.
 from __future__ import annotations
 
 import functools
-
 import math
 import weakref
 

@@ -133,12 +133,11 @@ class PerplexityRun:
         nll = token_nll(logits[:-1], ids[1:])
         if self.pending is not None:
             nll = torch.cat([token_nll(self.pending.unsqueeze(0), ids[:1]), nll])
-        targets = ids if self.pending is not None else ids[1:]
         if self.token_nll is not None:
             self.token_nll.append(nll.cpu())
         before = self.predicted
         self.nll_sum += nll.double().sum()
-        self.predicted += targets.numel()
+        self.predicted += nll.numel()
         self.pending = logits[-1].clone()  # a view would keep (and checkpoint) the whole chunk's logits
         self.position += ids.numel()
         if self.predicted // self.curve_every > before // self.curve_every:
@@ -327,7 +326,7 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-token negative log-likelihood (T,) of `targets` (T,) under `logits` (T, vocab), in blocks of `NLL_ROWS`
     rows: a block's log-softmax stays in the CPU cache, where one call over a chunk's 256 x 49,152 logits writes and
     rereads 50 MB (3x faster on SmolLM2's vocabulary at 1 and 2 threads, the same values bit for bit)."""
-    if targets.numel() <= NLL_ROWS:
+    if targets.numel() <= NLL_ROWS:  # one block; also a chunk's first token alone, which predicts nothing (empty)
         return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
     return torch.cat([torch.nn.functional.cross_entropy(logits[i:i + NLL_ROWS], targets[i:i + NLL_ROWS],
                                                         reduction="none")
