@@ -5,7 +5,9 @@
 2. throughput, measured here side by side: each policy's chunked forward (cache B, its default chunk C) against the
    model's raw chunked forward doing the same matrix work (a DynamicCache holding as many entries as ours before a
    chunk: B + 1 - C for a fair chunk, B for a band policy; C new tokens; cropped back after each chunk). Rounds
-   alternate between contenders so that machine noise hits all alike (target: >= 0.85x).
+   alternate between contenders so that machine noise hits all alike (target: >= 0.85x); with `--alternate
+   forwards`, each policy's forwards alternate one by one with its raw twin's instead, so that the machine's slow
+   drifts (a round of every contender took over a minute) cancel within each pair.
 
 The `ppl` runs it reads are in eval/run_benchmarks.sh: two exact-mode runs side by side into fair_chunks/exact and
 fair_chunks/exact-2 (roco, added later, into fair_chunks/exact-3), the chunked runs into fair_chunks/chunked; then
@@ -18,6 +20,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import time
 from pathlib import Path
 
 import click
@@ -76,7 +79,8 @@ def _intervals(curve: list) -> list[float]:
     return [(b - a) / (m - n) for (n, a), (m, b) in zip(totals, totals[1:])]
 
 
-def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: int, round_tokens: int) -> dict:
+def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: int, round_tokens: int,
+               alternate: str = "rounds") -> dict:
     model = loaded.model
     stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * round_tokens, data)
     prefix, timed = stream[:cache_size], stream[cache_size:]
@@ -96,6 +100,8 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
                 model(prefix[start:start + chunk].unsqueeze(0), cache=cache)
             if keep is not None:
                 cache.crop(keep - cache_size)  # negative: drop the newest cache_size - keep entries
+    if alternate == "forwards":
+        return _paired_forwards(model, contenders, raw_of, policies, timed, rounds, round_tokens)
     per_token = {name: [] for name in contenders}
     for r in range(rounds):
         block = timed[r * round_tokens:(r + 1) * round_tokens]
@@ -110,6 +116,37 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
     return rows
 
 
+def _paired_forwards(model, contenders: dict, raw_of: dict, policies: list[str], timed: torch.Tensor, rounds: int,
+                     round_tokens: int) -> dict:
+    """Each policy against its raw twin, forward by forward: the policy's chunk and the same chunk through the raw
+    twin (cropped back) follow each other, which of the two goes first alternating, so that noise slower than one
+    forward hits both alike. Per round: tokens over the summed seconds of each; speeds and ratio are medians over
+    the rounds (the ratio of each round's own pair)."""
+    rows = {}
+    for name in policies:
+        (cache, chunk, _), raw = contenders[name], raw_of[name]
+        twin = contenders[raw][0]
+        speeds, raw_speeds, ratios = [], [], []
+        for r in range(rounds):
+            block = timed[r * round_tokens:(r + 1) * round_tokens]
+            seconds = {"policy": 0.0, "raw": 0.0}
+            for i, start in enumerate(range(0, block.numel(), chunk)):
+                piece = block[start:start + chunk].unsqueeze(0)
+                for who in (("policy", "raw") if i % 2 == 0 else ("raw", "policy")):
+                    started = time.perf_counter()
+                    model(piece, cache=cache if who == "policy" else twin)
+                    seconds[who] += time.perf_counter() - started
+                    if who == "raw":
+                        twin.crop(-piece.shape[-1])
+            speeds.append(block.numel() / seconds["policy"])
+            raw_speeds.append(block.numel() / seconds["raw"])
+            ratios.append(seconds["raw"] / seconds["policy"])
+        rows[name] = {"chunk_size": chunk, "tokens_per_second": statistics.median(speeds), "raw_forward": raw,
+                      "raw_tokens_per_second": statistics.median(raw_speeds),
+                      "ratio_vs_raw_forward": statistics.median(ratios), "ratio_per_round": ratios}
+    return rows
+
+
 @click.command()
 @click.option("--exact-dir", "exact_dirs", multiple=True, type=click.Path(), show_default=True,
               default=["eval/results/fair_chunks/exact", "eval/results/fair_chunks/exact-2",
@@ -119,12 +156,16 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", default=3, show_default=True)
 @click.option("--round-tokens", default=1024, show_default=True, help="Tokens per timed round and contender.")
+@click.option("--alternate", type=click.Choice(["rounds", "forwards"]), default="rounds", show_default=True,
+              help="rounds: every contender takes a round's tokens in turn; forwards: each policy's forwards "
+                   "alternate one by one with its raw twin's (less exposed to slow drifts of the machine).")
 @data_option
 @click.option("--threads", default=2, show_default=True)
 @click.option("--throughput-from", type=click.Path(exists=True), default=None,
               help="Take the throughput table from this earlier report instead of measuring (the gap is re-read).")
 @click.option("--out", default="eval/results/fair_chunks.json", show_default=True)
-def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, data, threads, throughput_from, out):
+def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, alternate, data, threads, throughput_from,
+         out):
     setup(threads)
     loaded = load_model(None)
     policies = policies.split(",")
@@ -136,7 +177,8 @@ def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, da
         speed = {name: earlier["throughput"][name] for name in policies}  # only this report's policies
         measured = earlier["environment"]
     else:
-        speed, measured = throughput(loaded, policies, cache_size, data, rounds, round_tokens), environment()
+        speed = throughput(loaded, policies, cache_size, data, rounds, round_tokens, alternate)
+        measured = {**environment(), "alternate": alternate, "rounds": rounds, "round_tokens": round_tokens}
     gap = gaps([Path(d) for d in exact_dirs], Path(chunked_dir))
     report = {"benchmark": "fair chunked mode vs exact mode and vs the raw chunked forward",
               "model": loaded.name, "data": data, "cache_size": cache_size, "environment": environment(),

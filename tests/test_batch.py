@@ -26,6 +26,7 @@ def test_batched_streams_match_single_streams(policy, chunk):
     for row in range(ids.shape[0]):
         alone, _ = streamed_logits(model, policy, ids[row:row + 1], chunk)
         assert torch.allclose(batched[row], alone[0], atol=1e-4, rtol=0), (row, (batched[row] - alone[0]).abs().max())
+    cache.settle()  # a fair chunk may leave its last cut to the next forward; read what the cache keeps
     kept = cache.layers[0].positions
     assert cache.evicted > 0
     if cache.policy.needs_scores:  # rows saw different text, so heavy hitters must differ somewhere

@@ -22,7 +22,8 @@ UNBANDED = [name for name in EVICTING if name not in BANDED]
 @pytest.mark.parametrize("chunk", [3, 5])
 def test_fair_chunks_agree_with_the_oracle(policy, kv_heads, rolling, chunk):
     """Logits of every token (1e-4) and the kept entries of every layer and head after every chunk, on a stream ten
-    times the budget, against the oracle's statement of fair chunks."""
+    times the budget, against the oracle's statement of fair chunks. A policy whose cuts nest leaves a chunk's last
+    cut to the next chunk's: every other chunk is left so (its logits still checked), the others are settled first."""
     budget = 8
     spec = build(policy, budget)
     model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
@@ -34,6 +35,10 @@ def test_fair_chunks_agree_with_the_oracle(policy, kv_heads, rolling, chunk):
         engine_logits = model(piece, cache=cache).logits[0]
         oracle_logits = oracle.chunk(piece[0].tolist())
         assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"chunk at {start}"
+        if (start // chunk) % 2:
+            assert all(layer.slots <= budget + 1 for layer in cache.layers)
+            continue  # any pending cut stays for the next chunk's make_room
+        cache.settle()
         for layer_idx, layer in enumerate(cache.layers):
             for head in range(kv_heads):
                 assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (start, layer_idx)
@@ -167,3 +172,34 @@ def test_a_policy_declares_its_share_of_the_budget_as_its_fair_chunk():
 
     assert default_chunk_size(Finer(heavy=128, recent=128)) == 8
     assert default_chunk_size(H2OPolicy(heavy=128, recent=128)) == 16
+
+
+NESTING = [name for name in UNBANDED if build(name, 8).cuts_nest]
+
+
+@pytest.mark.parametrize("policy", NESTING)
+@pytest.mark.parametrize("scanned", [False, True], ids=["chunk-per-forward", "scanned"])
+def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, scanned):
+    """A fair chunk of a policy whose cuts nest leaves its last cut (budget + 1 -> budget) to the next chunk's cut;
+    the same stream with the cache settled after every forward (each cut made at once) gives the same logits bit for
+    bit, the same kept entries and the same eviction count."""
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = stream_for(build(policy, 8), 80, seed=3, vocab=VOCAB)
+    width, decide_every = (20, 5) if scanned else (5, None)
+    runs, pending_seen = [], False
+    for settle in (False, True):
+        cache = StreamingCache(model, build(policy, 8), decide_every=decide_every)
+        logits = []
+        for start in range(0, ids.shape[1], width):
+            logits.append(model(ids[:, start:start + width], cache=cache).logits)
+            pending_seen = pending_seen or any(layer.cut_pending for layer in cache.layers)
+            if settle:
+                cache.settle()
+                assert not any(layer.cut_pending for layer in cache.layers)
+        runs.append((torch.cat(logits, 1), cache))
+    (left, left_cache), (settled, settled_cache) = runs
+    assert pending_seen and torch.equal(left, settled)
+    assert left_cache.evicted == settled_cache.evicted > 0  # reading evicted settles the first cache too
+    for mine, theirs in zip(left_cache.layers, settled_cache.layers):
+        assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.keys, theirs.keys)
+        assert mine.slots == theirs.slots == 8

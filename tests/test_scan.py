@@ -129,10 +129,11 @@ def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
     assert nested_everywhere == spec.cuts_nest
 
 
-@pytest.mark.parametrize("policy, cuts_per_layer", [("h2o", 5 + 1), ("keydiff", 2 * 5)])
-def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per_layer):
-    """In a scanned fair forward of 5 blocks over a full cache, h2o cuts once before each block and once at the end
-    (the end's cut to the budget stays: the cache is at its budget between forwards); keydiff twice per block."""
+@pytest.mark.parametrize("policy, cuts_per_layer, pending", [("h2o", 5, True), ("keydiff", 2 * 5, False)])
+def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per_layer, pending):
+    """In a scanned fair forward of 5 blocks over a full cache, h2o cuts once before each block and leaves the end's
+    cut (one entry over the budget) to the next forward, or to `settle` when the cache is read; keydiff, whose cuts
+    do not nest, cuts twice per block and leaves nothing."""
     from h2o_stream.engine.layer import StreamingLayer
     model = tiny_model("llama")
     cache = StreamingCache(model, build(policy, 8), decide_every=4)
@@ -142,7 +143,11 @@ def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per
     monkeypatch.setattr(StreamingLayer, "_cut", lambda layer, p: cuts.append(p.budget) or cut(layer, p))
     model(random_ids(20), cache=cache)
     layers = len(cache.layers)
-    assert len(cuts) == cuts_per_layer * layers and all(layer.slots == 8 for layer in cache.layers)
+    assert len(cuts) == cuts_per_layer * layers
+    assert all(layer.slots == 8 + pending and layer.cut_pending == pending for layer in cache.layers)
+    assert cache.slots == 8 and len(cuts) == (cuts_per_layer + pending) * layers  # reading the cache settles it
+    assert all(layer.slots == 8 and not layer.cut_pending for layer in cache.layers)
+
 
 def test_decide_every_is_checked():
     model = tiny_model("llama")

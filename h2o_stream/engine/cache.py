@@ -1,8 +1,9 @@
 """A fixed-budget KV cache that plugs into transformers as a `Cache`.
 
-Per layer and KV head it holds at most `policy.budget` entries between forward passes. A forward of C tokens appends
-their keys/values (slots n..n+C-1), the attention function attends over all n+C entries and reports how much attention
-each entry received, and the layer then cuts back to the budget with the policy's choice of slots.
+Per layer and KV head it holds at most `policy.budget` entries between forward passes (one more while a fair chunk's
+last cut waits for the next forward: `settle`). A forward of C tokens appends their keys/values (slots n..n+C-1),
+the attention function attends over all n+C entries and reports how much attention each entry received, and the
+layer then cuts back to the budget with the policy's choice of slots.
 
 Chunked mode is fair by default: no query sees more than budget + 1 keys, as in exact (token-by-token) mode. Band
 policies (sink, window) get exactly exact mode's keys through a banded mask; every other policy first cuts the cache
@@ -144,8 +145,21 @@ class StreamingCache(Cache):
 
     @property
     def slots(self) -> int:
-        """Entries per KV head now held (the same in every layer)."""
+        """Entries per KV head now held (the same in every layer), at most the budget (after `settle`)."""
+        self.settle()
+        return self._held
+
+    @property
+    def _held(self) -> int:
+        # what the layers hold, a pending cut (layer.py) not made: the engine plans forwards with this
         return self.layers[0].slots
+
+    def settle(self) -> None:
+        """Make the cut a fair chunk may have left to the next forward (one entry per layer and KV head over the
+        budget, for a policy whose cuts nest: see `StreamingLayer.after_attention`), so that the layers hold at most
+        the budget. The same entries stay as if it had been made at once; `slots`, `evicted` and `state` call it."""
+        for layer in self.layers:
+            layer.settle()
 
     @property
     def seen(self) -> int:
@@ -153,6 +167,7 @@ class StreamingCache(Cache):
 
     @property
     def evicted(self) -> int:
+        self.settle()
         return sum(layer.evicted for layer in self.layers)
 
     @property
@@ -219,7 +234,7 @@ class StreamingCache(Cache):
         _check_attention_mask(attention_mask)
         self._check_positions(position_ids, length)
         blocks = self.blocks(length)
-        if self.slots and blocks is None:  # a prompt into an empty cache may be wider (generate prefills it at once)
+        if self._held and blocks is None:  # a prompt into an empty cache may be wider (generate prefills it at once)
             self.check_chunk_size(length)
         self.check_fits(length)
         if self.policy.needs_tokens and (inputs.dim() != 2 or inputs.is_floating_point()):
@@ -252,7 +267,7 @@ class StreamingCache(Cache):
         if self.policy.needs_tokens:
             for layer in self.layers:
                 layer.pending_tokens = inputs
-        if self.fair and self.slots and blocks is None:
+        if self.fair and self._held and blocks is None:
             for layer in self.layers:
                 layer.make_room(length)
         for layer in self.layers:
@@ -271,7 +286,7 @@ class StreamingCache(Cache):
         if blocks is not None:
             slots = self._block_slots(blocks)
             return slots[0], slots
-        n = self.slots
+        n = self._held
         if self.fair and n:
             n = min(n, self.policy.budget + 1 - length)
         return n, None
@@ -291,7 +306,7 @@ class StreamingCache(Cache):
     def _block_slots(self, blocks: list[int]) -> list[int]:
         """With rolling: the slot of every token of a scanned forward. Each block finds n entries (after the fair
         cut to budget + 1 - C, if any), takes slots n..n+C-1, and its cut leaves min(n + C, budget)."""
-        budget, n, slots = self.policy.budget, self.slots, []
+        budget, n, slots = self.policy.budget, self._held, []
         for size in blocks:
             if self.fair and n:
                 n = min(n, budget + 1 - size)
@@ -346,9 +361,10 @@ class StreamingCache(Cache):
         band = self.policy.band()
         if band is None or length == 1:
             return None
-        return _band_mask(*band, self.slots, length, device)
+        return _band_mask(*band, self._held, length, device)
 
     def state(self) -> dict:
+        """A snapshot of every layer (after any pending cut), for `load_state`."""
         return {"policy": self.policy.settings(), "rolling": self.rolling,
                 "layers": [layer.state() for layer in self.layers]}
 

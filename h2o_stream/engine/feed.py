@@ -31,7 +31,7 @@ def feed(model, cache: StreamingCache, ids: torch.Tensor, chunk_size: int = 1,
     ids = ids.to(model.device)
     logits, start, limit = None, 0, cache.max_chunk
     while start < ids.shape[-1]:
-        size = chunk_size if limit is None or cache.slots == 0 else min(chunk_size, limit)
+        size = chunk_size if limit is None or cache.seen == 0 else min(chunk_size, limit)  # seen: slots would settle
         piece = ids[..., start:start + size]
         logits = model(piece, cache=cache, logits_to_keep=0 if on_chunk else 1).logits
         if on_chunk is not None:

@@ -6,7 +6,10 @@ Invariants:
 - with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
 - without rolling, `keys` stay as the model rotated them, at their true stream positions;
 - during a scanned forward (`scan` set), `update` only holds the forward's new entries; `open_block` appends them one
-  block at a time, each block after the previous one's cut, exactly as if each block were its own forward.
+  block at a time, each block after the previous one's cut, exactly as if each block were its own forward;
+- between forwards a layer holds at most budget entries, or budget + 1 with `cut_pending`: a fair chunk of a policy
+  whose cuts nest leaves its cut of that one entry to the cut before the next chunk (`make_room`), which then cuts once
+  to where both would end; `settle` makes the pending cut now (the cache does, before anyone reads it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class StreamingLayer(CacheLayerMixin):
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
         self._block_is_last = True  # whether the block now attending is the last of the scanned forward
+        self.cut_pending = False  # whether the cut to the budget is left to the next make_room (see `after_attention`)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -117,9 +121,18 @@ class StreamingLayer(CacheLayerMixin):
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
-        if self.scan_fair and not self._block_is_last and self.policy.cuts_nest:
-            return  # the next block's make_room cuts once, to where this cut and its own would end together
+        if self.scan_fair and self.policy.cuts_nest and (
+                not self._block_is_last or (steps > 1 and self.slots == budget + 1)):
+            # The next block's (or fair chunk's) make_room cuts once, to where this cut and its own would end together:
+            # one gather per tensor instead of two. Exact mode's steps cut at once (make_room(1) would not cut less).
+            self.cut_pending = True
+            return
         self._cut(self.policy)
+
+    def settle(self) -> None:
+        """Make a pending cut (see `after_attention`) now: the layer then holds at most budget entries."""
+        if self.cut_pending:
+            self._cut(self.policy)
 
     def make_room(self, length: int) -> None:
         """Before a fair chunk of `length` tokens: cut to budget + 1 - length entries with the policy's choice at that
@@ -135,6 +148,7 @@ class StreamingLayer(CacheLayerMixin):
     def _cut(self, policy: EvictionPolicy) -> None:
         """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor."""
         budget = policy.budget
+        self.cut_pending = False
         rows = self._kept_rows(policy)
         self.evicted += self.positions.numel() - rows.numel()
         self.keys = _take(self.keys, rows, budget)
@@ -182,10 +196,12 @@ class StreamingLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
         self.is_initialized = False
+        self.cut_pending = False
         self.seen = self.evicted = self.max_keys = 0
 
     def state(self) -> dict:
-        """A snapshot (copies: scores are updated in place by later forwards)."""
+        """A snapshot (copies: scores are updated in place by later forwards), after any pending cut."""
+        self.settle()
         names = ("keys", "values", "positions", "scores", "seen", "evicted", "max_keys")
         state = {k: getattr(self, k) for k in (*names, "tokens") if k in names or self.policy.needs_tokens}
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
@@ -193,6 +209,7 @@ class StreamingLayer(CacheLayerMixin):
     def load_state(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+        self.cut_pending = False
         self.is_initialized = self.keys is not None
         if self.is_initialized:
             self.device = self.keys.device
