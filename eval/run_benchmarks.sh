@@ -42,6 +42,10 @@ h2o-stream ppl "${GAP[@]}" --policy tova,roco --chunk-size 16 --out eval/results
 python eval/fair_chunks.py --data "$DATA" --threads 2 --out eval/results/fair_chunks.json
 python eval/fair_chunks.py --data "$DATA" --threads 2 --round-tokens 512 \
     --out eval/results/fair_chunks_session15.json  # a third run, the next session's machine (at df07ed0)
+# each policy's forwards alternating one by one with its raw twin's: at 435b71a (written as fair_chunks_paired.json,
+# renamed _before), then after the cut left to the next chunk (3fd8e66)
+python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
+    --out eval/results/fair_chunks_paired.json
 # tova, the one policy past the 1% gap at 20k tokens, and h2o for comparison: exact and chunked over 60k (the gap's
 # standard error). tova's runs are fresh; h2o's exact run was resumed at 20k and at 40,960 (resuming is exact).
 for policy in tova h2o; do

