@@ -43,7 +43,6 @@ class StreamingLayer(CacheLayerMixin):
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
         self._block_is_last = True  # whether the block now attending is the last of the scanned forward
-        self.cut_pending = False  # whether the cut to the budget is left to the next make_room (see `after_attention`)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -125,9 +124,15 @@ class StreamingLayer(CacheLayerMixin):
                 not self._block_is_last or (steps > 1 and self.slots == budget + 1)):
             # The next block's (or fair chunk's) make_room cuts once, to where this cut and its own would end together:
             # one gather per tensor instead of two. Exact mode's steps cut at once (make_room(1) would not cut less).
-            self.cut_pending = True
             return
         self._cut(self.policy)
+
+    @property
+    def cut_pending(self) -> bool:
+        """Whether the cut to the budget was left to the next make_room (`after_attention`): every other cut leaves
+        at most the budget, so this is just holding more."""
+        budget = self.policy.budget
+        return budget is not None and self.slots > budget
 
     def settle(self) -> None:
         """Make a pending cut (see `after_attention`) now: the layer then holds at most budget entries."""
@@ -148,7 +153,6 @@ class StreamingLayer(CacheLayerMixin):
     def _cut(self, policy: EvictionPolicy) -> None:
         """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor."""
         budget = policy.budget
-        self.cut_pending = False
         rows = self._kept_rows(policy)
         self.evicted += self.positions.numel() - rows.numel()
         self.keys = _take(self.keys, rows, budget)
@@ -196,7 +200,6 @@ class StreamingLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
         self.is_initialized = False
-        self.cut_pending = False
         self.seen = self.evicted = self.max_keys = 0
 
     def state(self) -> dict:
@@ -209,7 +212,6 @@ class StreamingLayer(CacheLayerMixin):
     def load_state(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
-        self.cut_pending = False
         self.is_initialized = self.keys is not None
         if self.is_initialized:
             self.device = self.keys.device
