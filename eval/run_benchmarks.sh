@@ -48,6 +48,8 @@ python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 
     --out eval/results/fair_chunks_paired.json
 python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
     --policies a2sf,h2o --out eval/results/fair_chunks_paired_a2sf.json  # after a2sf's product (91a5044)
+h2o-stream ppl --data "$DATA" --tokens 20000 --cache-size 256 --threads 2 --policy a2sf \
+    --out eval/results/fair_chunks/a2sf-after-product  # its PPL after that change (the checkpoint not kept)
 # tova, the one policy past the 1% gap at 20k tokens, and h2o for comparison: exact and chunked over 60k (the gap's
 # standard error). tova's runs are fresh; h2o's exact run was resumed at 20k and at 40,960 (resuming is exact).
 for policy in tova h2o; do
