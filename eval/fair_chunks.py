@@ -7,7 +7,8 @@
    chunk: B + 1 - C for a fair chunk, B for a band policy; C new tokens; cropped back after each chunk). Rounds
    alternate between contenders so that machine noise hits all alike (target: >= 0.85x); with `--alternate
    forwards`, each policy's forwards alternate one by one with its raw twin's instead, so that the machine's slow
-   drifts (a round of every contender took over a minute) cancel within each pair.
+   drifts (a round of every contender took over a minute) cancel within each pair, and with a second raw twin run
+   under `torch.inference_mode`, as h2o-stream runs its own forwards when gradients are off (like for like).
 
 The `ppl` runs it reads are in eval/run_benchmarks.sh: two exact-mode runs side by side into fair_chunks/exact and
 fair_chunks/exact-2 (roco, added later, into fair_chunks/exact-3), the chunked runs into fair_chunks/chunked; then
@@ -17,6 +18,8 @@ fair_chunks/exact-2 (roco, added later, into fair_chunks/exact-3), the chunked r
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
 import statistics
@@ -116,34 +119,46 @@ def throughput(loaded, policies: list[str], cache_size: int, data: str, rounds: 
     return rows
 
 
+ORDERS = (("policy", "raw", "raw_inference"), ("raw", "raw_inference", "policy"), ("raw_inference", "policy", "raw"))
+
+
+@torch.no_grad()
 def _paired_forwards(model, contenders: dict, raw_of: dict, policies: list[str], timed: torch.Tensor, rounds: int,
                      round_tokens: int) -> dict:
     """Each policy against its raw twin, forward by forward: the policy's chunk and the same chunk through the raw
-    twin (cropped back) follow each other, which of the two goes first alternating, so that noise slower than one
-    forward hits both alike. Per round: tokens over the summed seconds of each; speeds and ratio are medians over
-    the rounds (the ratio of each round's own pair)."""
+    twin (cropped back) follow each other, so that noise slower than one forward hits both alike. Every forward runs
+    with gradients off, as `model.generate` runs them; h2o-stream's hooks then run the policy's under
+    `torch.inference_mode`, so a second raw twin runs under inference mode too (like for like). Which of the three
+    goes first rotates. Per round: tokens over the summed seconds of each; speeds and ratios are medians over the
+    rounds (the ratio of each round's own pair)."""
     rows = {}
     for name in policies:
         (cache, chunk, _), raw = contenders[name], raw_of[name]
-        twin = contenders[raw][0]
-        speeds, raw_speeds, ratios = [], [], []
+        caches = {"policy": cache, "raw": contenders[raw][0], "raw_inference": copy.deepcopy(contenders[raw][0])}
+        speeds = {who: [] for who in caches}
+        ratios = {"raw": [], "raw_inference": []}
         for r in range(rounds):
             block = timed[r * round_tokens:(r + 1) * round_tokens]
-            seconds = {"policy": 0.0, "raw": 0.0}
+            seconds = dict.fromkeys(caches, 0.0)
             for i, start in enumerate(range(0, block.numel(), chunk)):
                 piece = block[start:start + chunk].unsqueeze(0)
-                for who in (("policy", "raw") if i % 2 == 0 else ("raw", "policy")):
-                    started = time.perf_counter()
-                    model(piece, cache=cache if who == "policy" else twin)
-                    seconds[who] += time.perf_counter() - started
-                    if who == "raw":
-                        twin.crop(-piece.shape[-1])
-            speeds.append(block.numel() / seconds["policy"])
-            raw_speeds.append(block.numel() / seconds["raw"])
-            ratios.append(seconds["raw"] / seconds["policy"])
-        rows[name] = {"chunk_size": chunk, "tokens_per_second": statistics.median(speeds), "raw_forward": raw,
-                      "raw_tokens_per_second": statistics.median(raw_speeds),
-                      "ratio_vs_raw_forward": statistics.median(ratios), "ratio_per_round": ratios}
+                for who in ORDERS[i % len(ORDERS)]:
+                    with torch.inference_mode() if who == "raw_inference" else contextlib.nullcontext():
+                        started = time.perf_counter()
+                        model(piece, cache=caches[who])
+                        seconds[who] += time.perf_counter() - started
+                    if who != "policy":
+                        caches[who].crop(-piece.shape[-1])
+            for who in caches:
+                speeds[who].append(block.numel() / seconds[who])
+            for who in ratios:
+                ratios[who].append(seconds[who] / seconds["policy"])
+        rows[name] = {"chunk_size": chunk, "tokens_per_second": statistics.median(speeds["policy"]),
+                      "raw_forward": raw, "raw_tokens_per_second": statistics.median(speeds["raw"]),
+                      "ratio_vs_raw_forward": statistics.median(ratios["raw"]), "ratio_per_round": ratios["raw"],
+                      "raw_inference_mode_tokens_per_second": statistics.median(speeds["raw_inference"]),
+                      "ratio_vs_raw_forward_in_inference_mode": statistics.median(ratios["raw_inference"]),
+                      "ratio_in_inference_mode_per_round": ratios["raw_inference"]}
     return rows
 
 
@@ -191,8 +206,10 @@ def main(exact_dirs, chunked_dir, policies, cache_size, rounds, round_tokens, al
         text = (f"gap {g['relative_gap']:+.2%} (standard error {g['gap_standard_error'] or math.nan:.2%}) over "
                 f"{g['tokens']:,} tokens" if g else "gap: no runs")
         s = speed[name]
+        like = s.get("ratio_vs_raw_forward_in_inference_mode")
+        like = f" ({like:.3f}x it in inference mode)" if like is not None else ""
         print(f"{name:10s} C={s['chunk_size']:3d} {s['tokens_per_second']:6.1f} tok/s = "
-              f"{s['ratio_vs_raw_forward']:.3f}x {s['raw_forward']}; {text}")
+              f"{s['ratio_vs_raw_forward']:.3f}x {s['raw_forward']}{like}; {text}")
     write_json(out, report)
     plot(report, out.replace(".json", ".png"))
 
@@ -206,7 +223,17 @@ def plot(report: dict, path: str) -> None:
     for sign in (1, -1):
         axes[0].axhline(sign * 100 * report["targets"]["abs_relative_gap"], color="red", linestyle="--")
     axes[0].set_title("chunked PPL / exact PPL - 1 (%), ± standard error", fontsize=9)
-    axes[1].bar(names, [report["throughput"][n]["ratio_vs_raw_forward"] for n in names], color="#55a868")
+    speed = report["throughput"]
+    like = [speed[n].get("ratio_vs_raw_forward_in_inference_mode") for n in names]
+    if any(v is None for v in like):  # reports from before the second raw twin
+        axes[1].bar(names, [speed[n]["ratio_vs_raw_forward"] for n in names], color="#55a868")
+    else:
+        places = range(len(names))
+        axes[1].bar([i - 0.2 for i in places], [speed[n]["ratio_vs_raw_forward"] for n in names], width=0.4,
+                    color="#55a868", label="raw forward with gradients off")
+        axes[1].bar([i + 0.2 for i in places], like, width=0.4, color="#8172b2", label="the same in inference mode")
+        axes[1].set_xticks(list(places), names)
+        axes[1].legend(fontsize=7)
     axes[1].axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
     axes[1].set_title("chunked tok/s / raw forward tok/s (same work)", fontsize=9)
     for ax in axes:

@@ -59,16 +59,17 @@ class RopeRoller:
         if key not in self._tables:
             if len(self._tables) > 8:
                 self._tables.clear()
-            probe = torch.zeros(1, dtype=torch.float32, device=device)
-            positions = torch.arange(length, device=device).unsqueeze(0)
-            with torch.no_grad():
+            # Ordinary tensors even inside an inference-mode forward: any later forward may use them (engine/memo.py).
+            with torch.inference_mode(False), torch.no_grad():
+                probe = torch.zeros(1, dtype=torch.float32, device=device)
+                positions = torch.arange(length, device=device).unsqueeze(0)
                 cos, sin = self.rotary(probe, positions)
-            cos, sin = cos[0].float(), sin[0].float()
-            half = cos.shape[-1] // 2
-            sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
-            inv_norm = 1.0 / (cos * cos + sin * sin)
-            self._tables[key] = {"cos": cos, "sin_rh": sin * sign, "ucos": cos * inv_norm,
-                                 "usin_rh": -sin * sign * inv_norm, "rows": {}}
+                cos, sin = cos[0].float(), sin[0].float()
+                half = cos.shape[-1] // 2
+                sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
+                inv_norm = 1.0 / (cos * cos + sin * sin)
+                self._tables[key] = {"cos": cos, "sin_rh": sin * sign, "ucos": cos * inv_norm,
+                                     "usin_rh": -sin * sign * inv_norm, "rows": {}}
         return self._tables[key]
 
     def rotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
@@ -94,8 +95,9 @@ class RopeRoller:
             if cap is None:
                 t["rows"][key] = (cos[start:], sin_rh[start:])
             else:
-                positions = torch.arange(start, stop, device=device).clamp(max=cap)
-                t["rows"][key] = (cos[positions], sin_rh[positions])
+                with torch.inference_mode(False), torch.no_grad():  # kept, as the table
+                    positions = torch.arange(start, stop, device=device).clamp(max=cap)
+                    t["rows"][key] = (cos[positions], sin_rh[positions])
         return t["rows"][key]
 
 

@@ -113,3 +113,72 @@ def test_an_attached_model_still_runs_plain_caches():
     before = model(ids).logits
     stream_logits(model, StreamingCache(model, make_policy("h2o", 8)), ids)
     assert torch.equal(model(ids).logits, before)
+
+
+def _inference_mode_per_layer(model) -> tuple[list[bool], object]:
+    """Whether each decoder layer ran under inference mode (a list filled as the model runs), and the hook handles."""
+    seen = []
+    handles = [layer.register_forward_hook(lambda m, a, out: seen.append(torch.is_inference_mode_enabled()))
+               for layer in model.model.layers]
+    return seen, handles
+
+
+def test_a_forward_with_gradients_off_runs_in_inference_mode_and_returns_ordinary_logits():
+    model = tiny_model("llama")
+    cache = StreamingCache(model, make_policy("h2o", 8))
+    seen, handles = _inference_mode_per_layer(model)
+    try:
+        for i in range(12):  # past the budget: cuts and in-place score updates included
+            logits = model(random_ids(12)[:, i:i + 1], cache=cache).logits
+        with torch.enable_grad():  # gradients on: no inference mode
+            model(random_ids(13)[:, 12:], cache=cache)
+    finally:
+        for handle in handles:
+            handle.remove()
+    layers = len(model.model.layers)
+    assert seen == [True] * (12 * layers) + [False] * layers
+    assert not torch.is_inference_mode_enabled()  # left after each forward
+    assert cache.layers[0].keys.is_inference() is False  # the last forward, gradients on, made ordinary tensors
+    assert not logits.is_inference()  # the LM head runs after the base model's hooks: the caller may change them
+    logits.add_(1)
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+@pytest.mark.parametrize("chunk, decide_every, rolling", [(1, None, True), (4, None, True), (12, 4, True),
+                                                          (4, None, False)],
+                         ids=["exact", "chunked", "scanned", "chunked-no-rolling"])
+def test_a_cache_goes_on_alike_through_forwards_with_gradients_on_and_off(policy, chunk, decide_every, rolling):
+    """A forward with gradients on (a model whose weights require grad) after ones with them off (inference mode)
+    may use everything the engine kept (memoised masks, tables, rows, and its scores), and the stream goes on as
+    if every forward had had gradients off."""
+    model = tiny_model("llama")
+    ids = random_ids(60)
+
+    def cache():
+        return StreamingCache(model, build(policy, 12), rolling=rolling, decide_every=decide_every)
+    reference = stream_logits(model, cache(), ids, chunk)
+    mixed = cache()
+    pieces = [stream_logits(model, mixed, ids[:, :24], chunk)]
+    with torch.enable_grad():
+        pieces.append(stream_logits(model, mixed, ids[:, 24:48], chunk).detach())
+    pieces.append(stream_logits(model, mixed, ids[:, 48:], chunk))
+    assert torch.equal(torch.cat(pieces), reference)
+
+
+def test_a_refused_or_failing_forward_leaves_inference_mode():
+    model = tiny_model("llama")
+    cache = StreamingCache(model, make_policy("h2o", 8))
+    model(random_ids(4), cache=cache)
+    with pytest.raises(Exception, match="batch"):
+        model(random_ids(4).repeat(2, 1), cache=cache)  # refused by the cache before the model runs
+    assert not torch.is_inference_mode_enabled()
+
+    def fail(module, args, output):
+        raise RuntimeError("layer failed")
+    handle = model.model.layers[0].register_forward_hook(fail)
+    try:
+        with pytest.raises(RuntimeError, match="layer failed"):
+            model(random_ids(5)[:, 4:], cache=cache)
+    finally:
+        handle.remove()
+    assert not torch.is_inference_mode_enabled()

@@ -3,9 +3,11 @@ for chunked sink attention. Pure tensor functions; the cache and the hooks that 
 
 from __future__ import annotations
 
-import functools
 
 import torch
+
+from .memo import memoised
+
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
                        last_query=False, query_weights=None, squares=False):
@@ -101,13 +103,13 @@ def _band_bias(mask: torch.Tensor, sinks: int, group: int, dtype: torch.dtype) -
     return band.repeat(1, 1, group, 1) if group > 1 else band
 
 
-_memoised_band_bias = functools.lru_cache(maxsize=8)(_band_bias)
+_memoised_band_bias = memoised(8)(_band_bias)
 
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
-@functools.lru_cache(maxsize=64)
+@memoised(64)
 def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """(1, 1, q_len, k_len), True where the query at k_len - q_len + i may see key j (j <= that position). Memoised:
     forwards need the same few shapes in every layer (and block). Never modify the result."""
@@ -115,7 +117,7 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(k_len, device=device) <= rows)[None, None]
 
 
-@functools.lru_cache(maxsize=64)
+@memoised(64)
 def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """`causal_mask` in additive form: 0 where visible, -inf elsewhere (memoised too; never modify the result)."""
     visible = causal_mask(q_len, k_len, device)

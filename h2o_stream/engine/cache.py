@@ -22,7 +22,6 @@ The per-layer storage and its invariants are in `layer.py`.
 
 from __future__ import annotations
 
-import functools
 import math
 import weakref
 
@@ -33,6 +32,7 @@ from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
 from .hooks import active_cache, attach
 from .layer import StreamingLayer
+from .memo import memoised
 from .policies import EvictionPolicy
 
 
@@ -59,7 +59,7 @@ def default_chunk_size(policy: EvictionPolicy) -> int:
     return max(1, min(math.floor(policy.budget * policy.fair_chunk_share), shielded))
 
 
-@functools.lru_cache(maxsize=16)
+@memoised(16)
 def _band_mask(sinks: int, recent: int, n: int, length: int, device: torch.device) -> torch.Tensor:
     """`StreamingCache.band_mask`, memoised: in steady state every forward has the same shape, so the attention's
     derived masks (`band_bias`) are memoised too. Never modify the result."""

@@ -18,6 +18,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..rope_rolling import RopeRoller
+from .memo import ordinary, outside_inference_mode
 from .policies import EvictionPolicy
 
 
@@ -179,11 +180,12 @@ class StreamingLayer(CacheLayerMixin):
             extra["tokens"] = self.tokens
         keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
         if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
-            flat_rows = torch.arange(batch * heads, device=keep.device)
-            self._offsets_memo[memo_key] = flat_rows.view(batch, heads, 1) * slots
+            with outside_inference_mode():  # kept across forwards: memo.py
+                flat_rows = torch.arange(batch * heads, device=keep.device)
+                self._offsets_memo[memo_key] = flat_rows.view(batch, heads, 1) * slots
         rows = (keep + self._offsets_memo[memo_key]).reshape(-1)
         if policy.band() is not None:
-            self._rows_memo[memo_key] = rows
+            rows = self._rows_memo[memo_key] = ordinary(rows)
         return rows
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:

@@ -11,7 +11,6 @@ paper's, which tunes the factor per model and task.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 
+from ..memo import memoised
 from .base import HEAVY, RECENT, EvictionPolicy, Setting, keep_top
 from .registry import register
 
@@ -54,7 +54,7 @@ class A2SFPolicy(EvictionPolicy):
         return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)
 
 
-@functools.lru_cache(maxsize=32)
+@memoised(32)
 def _decays(alpha: float, length: int) -> torch.Tensor:
     """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
     Memoised (every layer of every chunk asks for the same); never modify the result."""

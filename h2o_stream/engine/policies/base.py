@@ -14,7 +14,6 @@ these declarations, so a new policy is one file in this folder with `@register` 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -23,6 +22,8 @@ from typing import ClassVar
 import torch
 
 from h2o_stream.errors import H2OStreamError
+
+from ..memo import memoised
 
 
 @dataclass(frozen=True)
@@ -365,6 +366,6 @@ def slot_range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
     return _slot_range(start, stop, tuple(like.shape[:2]), like.device)
 
 
-@functools.lru_cache(maxsize=256)
+@memoised(256)
 def _slot_range(start: int, stop: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     return torch.arange(start, stop, device=device).expand(*shape, stop - start)

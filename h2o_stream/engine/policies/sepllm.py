@@ -14,13 +14,13 @@ Default split: 4 sinks, a fifth of the cache separators, the rest recent (SepLLM
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
 
 from h2o_stream.errors import H2OStreamError
 
+from ..memo import memoised
 from .base import RECENT, SINKS, EvictionPolicy, Part, keep_top
 from .registry import register
 
@@ -37,7 +37,7 @@ def separator_ids(tokenizer) -> tuple[int, ...]:
                                                                   for c in text))
 
 
-@functools.lru_cache(maxsize=8)
+@memoised(8)
 def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long, device=device)
 
