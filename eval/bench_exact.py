@@ -111,6 +111,7 @@ def plot(report: dict, path: str) -> None:
         label = f"{report['ratio_vs_dynamic'][n]:.2f}x" + (f"\n{like[n]:.2f}x" if n in like else "")
         ax.text(i, 1000 * report["median_seconds_per_token"][n], label, ha="center", va="bottom", fontsize=7)
     ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.set_ylim(top=1.25 * 1000 * max(report["median_seconds_per_token"].values()))  # room for two-line labels
     ax.set_ylabel("ms per decoded token (median)")
     if like:
         ax.set_title("time vs dynamic (top) and vs dynamic_inference (bottom)", fontsize=8)
