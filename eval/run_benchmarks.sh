@@ -80,6 +80,14 @@ python eval/bench_nll.py --threads 1,2 --rounds 20
 # exact mode and chat on the next session's machine, after the cut and rotation changes (at 4151aa9)
 python eval/bench_exact.py --threads 2 --rounds 8 --out eval/results/decode_now/bench_exact_2threads.json
 python eval/bench_exact.py --threads 1 --rounds 8 --out eval/results/decode_now/bench_exact_1thread.json
+# after forwards with gradients off run in inference mode (f9fca72): the raw decode step timed both ways, and every
+# fair policy against a raw twin with gradients off and one in inference mode (eval/results/inference_mode/)
+for threads in 2 1; do
+    python eval/bench_exact.py --threads "$threads" --block 4 --rounds 32 --policies h2o,sink,window,full,tova,chat \
+        --out "eval/results/inference_mode/bench_exact_${threads}thread$([ "$threads" = 1 ] || echo s).json"
+done
+python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
+    --out eval/results/inference_mode/fair_chunks_paired.json
 # the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
 python eval/bench_weights.py --data "$DATA" --rounds 3 --threads 1,2
 # one layer's cache work per decode step before/after a change (here: the reverted in-place append)
