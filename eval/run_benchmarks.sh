@@ -74,6 +74,8 @@ python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096
     --out eval/results/bench_vs_baseline_2threads_recheck.json  # run C: 2 threads again, right after
 python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2 \
     --out eval/results/bench_vs_baseline_run_d.json  # run D: after the NLL and sink-attention changes (at 4151aa9)
+python eval/bench_vs_baseline.py --data "$DATA" --baseline d559c09 --tokens 4096 --rounds 3 --threads 1,2 \
+    --out eval/results/inference_mode/bench_vs_baseline_run_e.json  # run E: with inference mode (at 921dcd6)
 # ppl sink's chunk against the raw eager forward in one process, before/after those changes; the NLL alone
 python eval/bench_sink_chunk.py --data "$DATA" --before 97bc2d2 --after 4151aa9 --threads 1,2 --chunks 16 --rounds 3
 python eval/bench_nll.py --threads 1,2 --rounds 20
