@@ -7,6 +7,7 @@ multiplied with keys that require grad). So what the engine keeps across forward
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -18,27 +19,18 @@ def memoised(maxsize: int):
     def wrap(make):
         @functools.lru_cache(maxsize=maxsize)
         @functools.wraps(make)
-        def made(*args):
+        def made(*args, **kwargs):
             with outside_inference_mode():
-                return make(*args)
+                return make(*args, **kwargs)
         return made
     return wrap
 
 
+@contextlib.contextmanager
 def outside_inference_mode():
     """A context making ordinary tensors, with autograd off, even inside an inference-mode forward."""
-    return _Outside()
-
-
-class _Outside:
-    def __enter__(self):
-        self._modes = (torch.inference_mode(False), torch.no_grad())
-        for mode in self._modes:
-            mode.__enter__()
-
-    def __exit__(self, *exc):
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
+    with torch.inference_mode(False), torch.no_grad():
+        yield
 
 
 def ordinary(tensor: torch.Tensor) -> torch.Tensor:
