@@ -48,9 +48,12 @@ def main(cache_size, block, rounds, policies, threads, out):
     raw = ["dynamic", "dynamic_inference"]
     names = raw + policies.split(",")
     caches = {}
-    for name in names[2:]:
-        budget = None if name == "full" else cache_size
-        caches[name] = StreamingCache(model, make_policy("h2o" if name == "chat" else name, budget))
+    for name in names:
+        if name in raw:
+            caches[name] = DynamicCache(config=model.config)
+        else:
+            budget = None if name == "full" else cache_size
+            caches[name] = StreamingCache(model, make_policy("h2o" if name == "chat" else name, budget))
         with torch.no_grad():
             model(stream[:, :cache_size], cache=caches[name])
     per_token = {name: [] for name in names}
@@ -58,16 +61,10 @@ def main(cache_size, block, rounds, policies, threads, out):
     with torch.no_grad():
         for r in range(rounds):
             for name in names:
-                if name in raw:
-                    if name not in caches:
-                        caches[name] = DynamicCache(config=model.config)
-                        model(stream[:, :cache_size], cache=caches[name])
-                    cache = caches[name]
-                else:
-                    cache = caches[name]
-                    if name == "full":  # keep full at the same length too: refill
-                        cache = caches[name] = StreamingCache(model, make_policy("full"))
-                        model(stream[:, :cache_size], cache=cache)
+                cache = caches[name]
+                if name == "full":  # keep full at the same length too: refill
+                    cache = caches[name] = StreamingCache(model, make_policy("full"))
+                    model(stream[:, :cache_size], cache=cache)
                 steps = stream[:, cache_size + r * block: cache_size + (r + 1) * block]
                 started = time.perf_counter()
                 if name == "chat":  # block + 1 tokens picked, block of them fed (the last one's logits unneeded)
@@ -87,7 +84,7 @@ def main(cache_size, block, rounds, policies, threads, out):
                     cache.crop(-block)
     median = {name: statistics.median(v) for name, v in per_token.items()}
     ratios = {name: median[name] / median["dynamic"] for name in names[1:]}
-    like_for_like = {name: median[name] / median["dynamic_inference"] for name in names[2:]}
+    like_for_like = {name: median[name] / median["dynamic_inference"] for name in names[len(raw):]}
     for name in names:
         extra = f"  time vs DynamicCache {ratios[name]:.3f}x" if name in ratios else ""
         if name in like_for_like:

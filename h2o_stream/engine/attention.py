@@ -3,7 +3,6 @@ for chunked sink attention. Pure tensor functions; the cache and the hooks that 
 
 from __future__ import annotations
 
-
 import torch
 
 from .memo import memoised
