@@ -174,13 +174,11 @@ def test_a_policy_declares_its_share_of_the_budget_as_its_fair_chunk():
     assert default_chunk_size(H2OPolicy(heavy=128, recent=128)) == 16
 
 
-NESTING = [name for name in UNBANDED if build(name, 8).cuts_nest]
-
-
-@pytest.mark.parametrize("policy", NESTING)
+@pytest.mark.parametrize("policy", UNBANDED)
 @pytest.mark.parametrize("scanned", [False, True], ids=["chunk-per-forward", "scanned"])
 def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, scanned):
-    """A fair chunk of a policy whose cuts nest leaves its last cut (budget + 1 -> budget) to the next chunk's cut;
+    """A fair chunk leaves its last cut (budget + 1 -> budget) to the next chunk's (nesting policies: one cut with the
+    reduced policy; the others, keydiff: both at once, `keep_twice`);
     the same stream with the cache settled after every forward (each cut made at once) gives the same logits bit for
     bit, the same kept entries and the same eviction count."""
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)

@@ -48,7 +48,9 @@ def _same_entries(scanned, plain):
     for mine, theirs in zip(scanned.layers, plain.layers):
         assert torch.equal(mine.positions, theirs.positions)
         assert torch.allclose(mine.keys, theirs.keys, atol=1e-9)
-        assert torch.allclose(mine.scores, theirs.scores, atol=1e-9)
+        assert (mine.scores is None) == (theirs.scores is None) == (not mine.policy.needs_scores)
+        if mine.scores is not None:
+            assert torch.allclose(mine.scores, theirs.scores, atol=1e-9)
 
 
 @pytest.mark.parametrize("policy", UNBANDED)
@@ -129,23 +131,56 @@ def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
     assert nested_everywhere == spec.cuts_nest
 
 
-@pytest.mark.parametrize("policy, cuts_per_layer, pending", [("h2o", 5, True), ("keydiff", 2 * 5, False)])
-def test_a_nesting_policy_cuts_once_between_blocks(monkeypatch, policy, cuts_per_layer, pending):
-    """In a scanned fair forward of 5 blocks over a full cache, h2o cuts once before each block and leaves the end's
-    cut (one entry over the budget) to the next forward, or to `settle` when the cache is read; keydiff, whose cuts
-    do not nest, cuts twice per block and leaves nothing."""
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_keeping_twice_at_once_keeps_what_two_cuts_keep(policy):
+    """`keep_twice` (a cut to the budget and, at once, one with `reduced(b)`) keeps what cutting twice keeps, for
+    every policy without a band: tied scores, duplicated keys (keydiff's equal similarities) and reductions down to
+    the sinks alone, where keydiff answers the plain way."""
+    spec = build(policy, 16)
+    generator = torch.Generator().manual_seed(11)
+    for trial in range(40):
+        n, kept = 17 + trial % 4, 16 - trial % 15  # a pending cut (budget + 1 entries and more) to budget + 1 - C
+        positions = torch.arange(100, 100 + n).expand(2, 3, n)
+        moments = (2,) if spec.score_squares else ()
+        scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
+        keys = torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64)
+        keys[:, :, 9] = keys[:, :, 5]  # two equal keys: equal similarities, the older one first
+        extra = {"keys": keys, "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}
+        taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
+        given = scores if spec.needs_scores else None
+        reduced = spec.reduced(kept)
+        first = spec.keep(positions, given, **taken)
+        survivors = {k: v.gather(2, first.view(*first.shape, *(1,) * (v.dim() - 3)).expand(*first.shape,
+                                                                                             *v.shape[3:]))
+                     for k, v in {"positions": positions, "scores": scores, **taken}.items()}
+        held, held_scores = survivors.pop("positions"), survivors.pop("scores")
+        second = reduced.keep(held, held_scores if spec.needs_scores else None, **survivors)
+        assert torch.equal(spec.keep_twice(reduced, positions, given, **taken), first.gather(-1, second)), trial
+
+
+@pytest.mark.parametrize("policy, then", [("h2o", [None] * 5), ("keydiff", [None] + [True] * 4)])
+def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, then):
+    """In a scanned fair forward of 5 blocks over a full cache, every policy cuts once before each block and leaves
+    the end's cut (one entry over the budget) to the next forward, or to `settle` when the cache is read. h2o, whose
+    cuts nest, cuts with the reduced policy alone; keydiff, whose cuts do not, makes the previous block's cut and its
+    own at once (`keep_twice`) from the second block on."""
     from h2o_stream.engine.layer import StreamingLayer
     model = tiny_model("llama")
     cache = StreamingCache(model, build(policy, 8), decide_every=4)
     model(random_ids(8), cache=cache)
     cuts = []
     cut = StreamingLayer._cut
-    monkeypatch.setattr(StreamingLayer, "_cut", lambda layer, p: cuts.append(p.budget) or cut(layer, p))
+
+    def counted(layer, p, then=None):
+        if layer is cache.layers[0]:
+            cuts.append((p.budget, None if then is None else then.budget))
+        return cut(layer, p, then)
+
+    monkeypatch.setattr(StreamingLayer, "_cut", counted)
     model(random_ids(20), cache=cache)
-    layers = len(cache.layers)
-    assert len(cuts) == cuts_per_layer * layers
-    assert all(layer.slots == 8 + pending and layer.cut_pending == pending for layer in cache.layers)
-    assert cache.slots == 8 and len(cuts) == (cuts_per_layer + pending) * layers  # reading the cache settles it
+    assert cuts == [(5, None)] + [(8, 5) if both else (5, None) for both in then[1:]]
+    assert all(layer.slots == 9 and layer.cut_pending for layer in cache.layers)
+    assert cache.slots == 8 and cuts[-1] == (8, None)  # reading the cache settles it
     assert all(layer.slots == 8 and not layer.cut_pending for layer in cache.layers)
 
 

@@ -1,15 +1,16 @@
 """One layer of a `StreamingCache`: its entries (keys, values, stream positions, scores, token ids) and the cuts.
 
 Invariants:
-- keys/values/positions/scores (and tokens, for a policy that reads them) share the slot axis; slots are in ascending
+- keys/values/positions (and scores and tokens, for a policy that uses them) share the slot axis; slots are in ascending
   stream order for every head;
 - with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
 - without rolling, `keys` stay as the model rotated them, at their true stream positions;
 - during a scanned forward (`scan` set), `update` only holds the forward's new entries; `open_block` appends them one
   block at a time, each block after the previous one's cut, exactly as if each block were its own forward;
-- between forwards a layer holds at most budget entries, or budget + 1 with `cut_pending`: a fair chunk of a policy
-  whose cuts nest leaves its cut of that one entry to the cut before the next chunk (`make_room`), which then cuts once
-  to where both would end; `settle` makes the pending cut now (the cache does, before anyone reads it).
+- between forwards a layer holds at most budget entries, or budget + 1 with `cut_pending`: a fair chunk leaves its
+  cut of that one entry to the cut before the next chunk (`make_room`), which then cuts once to where both would end
+  (a policy whose cuts nest: one cut with the reduced policy; any other: `keep_twice`); `settle` makes the pending cut
+  now (the cache does, before anyone reads it).
 """
 
 from __future__ import annotations
@@ -51,9 +52,9 @@ class StreamingLayer(CacheLayerMixin):
         self.keys = key_states[..., :0, :].clone()
         self.values = value_states[..., :0, :].clone()
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
-        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
-        score_dtype = torch.float32 if self.device.type == "mps" else torch.float64
-        self.scores = torch.empty(batch, heads, 0, *self.policy.score_moments, dtype=score_dtype, device=self.device)
+        if self.policy.needs_scores:  # a policy without them carries none (no tensor to grow and cut every step)
+            self.scores = torch.empty(batch, heads, 0, *self.policy.score_moments, dtype=self._score_dtype,
+                                      device=self.device)
         if self.policy.needs_tokens:
             self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -101,8 +102,9 @@ class StreamingLayer(CacheLayerMixin):
         self.keys = torch.cat([self.keys, key_states], dim=-2)
         self.values = torch.cat([self.values, value_states], dim=-2)
         self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
-        self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
+        if self.scores is not None:
+            new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
+            self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
         if self.tokens is not None:
             new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
             self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
@@ -121,8 +123,7 @@ class StreamingLayer(CacheLayerMixin):
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
-        if self.scan_fair and self.policy.cuts_nest and (
-                not self._block_is_last or (steps > 1 and self.slots == budget + 1)):
+        if self.scan_fair and (not self._block_is_last or (steps > 1 and self.slots == budget + 1)):
             # The next block's (or fair chunk's) make_room cuts once, to where this cut and its own would end together:
             # one gather per tensor instead of two. Exact mode's steps cut at once (make_room(1) would not cut less).
             return
@@ -149,42 +150,53 @@ class StreamingLayer(CacheLayerMixin):
             return
         if kept not in self._reduced:
             self._reduced[kept] = self.policy.reduced(kept)
-        self._cut(self._reduced[kept])
+        if self.cut_pending and kept < budget and not self.policy.cuts_nest:
+            self._cut(self.policy, then=self._reduced[kept])  # the pending cut and this one, as one
+        else:
+            self._cut(self._reduced[kept])
 
-    def _cut(self, policy: EvictionPolicy) -> None:
-        """Keep the `policy.budget` slots `policy` chooses, in every per-slot tensor."""
-        budget = policy.budget
-        rows = self._kept_rows(policy)
+    def _cut(self, policy: EvictionPolicy, then: EvictionPolicy | None = None) -> None:
+        """Keep the `policy.budget` slots `policy` chooses (with `then`: of those, the `then.budget` slots `then`
+        chooses), in every per-slot tensor."""
+        budget = policy.budget if then is None else then.budget
+        rows = self._kept_rows(policy, then)
         self.evicted += self.positions.numel() - rows.numel()
         self.keys = _take(self.keys, rows, budget)
         self.values = _take(self.values, rows, budget)
         self.positions = _take(self.positions, rows, budget)
-        self.scores = _take(self.scores, rows, budget)
+        if self.scores is not None:
+            self.scores = _take(self.scores, rows, budget)
         if self.tokens is not None:
             self.tokens = _take(self.tokens, rows, budget)
 
-    def _kept_rows(self, policy: EvictionPolicy) -> torch.Tensor:
-        """`policy`'s kept slots as rows of the flattened (batch*heads*slots) storage.
+    def _kept_rows(self, policy: EvictionPolicy, then: EvictionPolicy | None = None) -> torch.Tensor:
+        """`policy`'s kept slots (with `then`: `policy.keep_twice`'s) as rows of the flattened (batch*heads*slots)
+        storage.
 
         Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
         their answer is memoised: in steady state it is one dictionary lookup per layer and step.
         """
         batch, heads, slots = self.positions.shape
         memo_key = (batch, heads, slots)
-        if policy.band() is not None and memo_key in self._rows_memo:
+        banded = then is None and policy.band() is not None
+        if banded and memo_key in self._rows_memo:
             return self._rows_memo[memo_key]
         extra = {}
         if policy.needs_keys:
             extra["keys"] = self.keys
         if policy.needs_tokens:
             extra["tokens"] = self.tokens
-        keep = policy.keep(self.positions, self.scores if policy.needs_scores else None, **extra)
+        scores = self.scores if policy.needs_scores else None
+        if then is None:
+            keep = policy.keep(self.positions, scores, **extra)
+        else:
+            keep = policy.keep_twice(then, self.positions, scores, **extra)
         if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
             with outside_inference_mode():  # kept across forwards: memo.py
                 flat_rows = torch.arange(batch * heads, device=keep.device)
                 self._offsets_memo[memo_key] = flat_rows.view(batch, heads, 1) * slots
         rows = (keep + self._offsets_memo[memo_key]).reshape(-1)
-        if policy.band() is not None:
+        if banded:
             rows = self._rows_memo[memo_key] = ordinary(rows)
         return rows
 
@@ -204,16 +216,26 @@ class StreamingLayer(CacheLayerMixin):
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 
+    @property
+    def _score_dtype(self) -> torch.dtype:
+        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
+        return torch.float32 if self.device.type == "mps" else torch.float64
+
     def state(self) -> dict:
-        """A snapshot (copies: scores are updated in place by later forwards), after any pending cut."""
+        """A snapshot (copies: scores are updated in place by later forwards), after any pending cut. A policy without
+        scores gets zeros in their place, so that every snapshot (and checkpoint, and chat session) has one layout."""
         self.settle()
         names = ("keys", "values", "positions", "scores", "seen", "evicted", "max_keys")
         state = {k: getattr(self, k) for k in (*names, "tokens") if k in names or self.policy.needs_tokens}
+        if self.scores is None and self.positions is not None:
+            state["scores"] = torch.zeros(self.positions.shape, dtype=self._score_dtype, device=self.device)
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
     def load_state(self, state: dict) -> None:
         for k, v in state.items():
             setattr(self, k, v)
+        if not self.policy.needs_scores:
+            self.scores = None
         self.is_initialized = self.keys is not None
         if self.is_initialized:
             self.device = self.keys.device

@@ -123,7 +123,8 @@ class EvictionPolicy(ABC):
     #: whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
     #: (the scores unchanged in between). True when `keep` takes the top of one fixed order of the entries, apart from
     #: sinks and a recent window that only shrink when reduced (h2o, a2sf, tova, sepllm); not for keydiff, whose
-    #: anchor is the mean of the keys held. A scanned fair forward then cuts once between blocks instead of twice.
+    #: anchor is the mean of the keys held. Between two fair chunks (or blocks of a fair scan) such a policy then
+    #: makes one cut, with `reduced`; one whose cuts do not nest makes both at once (`keep_twice`).
     cuts_nest: ClassVar[bool] = False
     #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`, which also keeps it
     #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
@@ -224,6 +225,18 @@ class EvictionPolicy(ABC):
         normalised by age divides by `ages(positions)` (roco).
         """
 
+    def keep_twice(self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None,
+                   **extra: torch.Tensor) -> torch.Tensor:
+        """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
+        keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. Arguments as for `keep`
+        (n > self.budget). A fair chunk of a policy whose cuts do not nest needs both cuts before the next chunk;
+        made as one, the layer gathers its tensors once. The default keeps, then keeps among the survivors; a
+        policy may answer both at once more cheaply (keydiff), with the same slots."""
+        first = self.keep(positions, scores, **extra)
+        second = then.keep(at_slots(positions, first), None if scores is None else at_slots(scores, first),
+                           **{name: at_slots(value, first) for name, value in extra.items()})
+        return first.gather(-1, second)
+
     def reduced(self, budget: int) -> EvictionPolicy:
         """This policy with a smaller `budget` (>= 1): what a fair chunk of C tokens keeps before it runs, at
         budget + 1 - C, so that its last query sees this policy's budget + 1 keys, as in exact mode.
@@ -300,6 +313,12 @@ def check_count(name: str, value: int, *, minimum: int = 0) -> int:
     if value < minimum:
         raise H2OStreamError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def at_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """x (batch, heads, n, *rest) at `slots` (batch, heads, m) of its slot axis: (batch, heads, m, *rest)."""
+    index = slots.view(*slots.shape, *(1,) * (x.dim() - 3)).expand(*slots.shape, *x.shape[3:])
+    return x.gather(2, index)
 
 
 def ages(positions: torch.Tensor) -> torch.Tensor:

@@ -51,12 +51,11 @@ class RoCoPolicy(EvictionPolicy):
         age = ages(positions)[..., :others].to(scores.dtype)
         mean = scores[..., :others, 0] / age
         variance = scores[..., :others, 1] / age - mean.square()
-        # Marked in a mask and read back in slot order: fewer sorts than ranking twice and merging (keep runs per
-        # layer and block). top_slots gives ties to the older entry.
-        chosen = torch.zeros(mean.shape, dtype=torch.bool, device=mean.device)
-        chosen.scatter_(-1, top_slots(variance, self.volatile, in_slot_order=False), True)
-        steadier = mean.masked_fill(chosen, float("-inf"))  # heavy < the rest: never one of the volatile
-        chosen.scatter_(-1, top_slots(steadier, self.heavy, in_slot_order=False), True)
-        kept = chosen.nonzero()[:, -1].view(*mean.shape[:-1], self.volatile + self.heavy)  # row-major: ascending
+        # The volatile entries ranked above every mean, then the top volatile + heavy of that order: the volatile
+        # and, among the rest, the highest means, in slot order, from one ranking (keep runs per layer and block;
+        # in exact mode it drops one entry without a sort). top_slots gives ties to the older entry.
+        volatile = top_slots(variance, self.volatile, in_slot_order=False)
+        ranks = mean.scatter(-1, volatile, float("inf"))
+        kept = top_slots(ranks, self.volatile + self.heavy)
         return torch.cat([kept, last_slots(n, self.recent, positions)], dim=-1)
 
