@@ -90,6 +90,17 @@ for threads in 2 1; do
 done
 python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
     --out eval/results/inference_mode/fair_chunks_paired.json
+# after keep_twice and no scores for policies that need none (8131c80): the same, with keydiff and roco in exact mode
+# (eval/results/keep_twice/), and the chunked runs of roco, keydiff and sink again (eval/results/fair_chunks/rechecked/)
+for threads in 2 1; do
+    python eval/bench_exact.py --threads "$threads" --block 4 --rounds 32 \
+        --policies h2o,sink,window,full,tova,keydiff,roco,chat \
+        --out "eval/results/keep_twice/bench_exact_${threads}thread$([ "$threads" = 1 ] || echo s).json"
+done
+python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
+    --out eval/results/keep_twice/fair_chunks_paired.json
+h2o-stream ppl --threads 1 --data "$DATA" --tokens 20000 --policy roco,keydiff,sink --cache-size 256 \
+    --out eval/results/fair_chunks/rechecked
 # the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
 python eval/bench_weights.py --data "$DATA" --rounds 3 --threads 1,2
 # one layer's cache work per decode step before/after a change (here: the reverted in-place append)
