@@ -102,7 +102,7 @@ class EvictionPolicy(ABC):
     #: settings that are not slot counts, with their defaults (fields of the dataclass too)
     options: ClassVar[tuple[Setting, ...]] = ()
     #: whether the cache must keep a score from the attention each entry receives (costs an explicit softmax;
-    #: policies without it keep the fused attention path)
+    #: policies without it keep the fused attention path, and their layers carry no scores)
     needs_scores: ClassVar[bool] = False
     #: whose attention makes an entry's score: "kv" — per KV head, the query heads reading it summed (GQA/MQA);
     #: "layer" — the mean over all query heads of the layer, the same for every KV head (one decision per layer)
