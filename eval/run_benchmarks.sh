@@ -99,6 +99,8 @@ for threads in 2 1; do
 done
 python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
     --out eval/results/keep_twice/fair_chunks_paired.json
+python eval/fair_chunks.py --data "$DATA" --policies h2o,keydiff,roco --threads 2 --rounds 5 --round-tokens 512 \
+    --alternate forwards --out eval/results/keep_twice/fair_chunks_paired_recheck.json
 h2o-stream ppl --threads 1 --data "$DATA" --tokens 20000 --policy roco,keydiff,sink --cache-size 256 \
     --out eval/results/fair_chunks/rechecked
 # the raw forward with the weights memory-mapped (as transformers loads them) or copied out (as load_model does)
