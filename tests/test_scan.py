@@ -99,34 +99,43 @@ def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
 
 
 
-@pytest.mark.parametrize("policy", UNBANDED)
-def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
-    """`cuts_nest`: cutting to the budget, then with `reduced(b)`, keeps what one cut with `reduced(b)` keeps, for
-    streams with tied scores; a policy that does not declare it (keydiff) is shown not to have it."""
-    spec = build(policy, 16)
-    generator = torch.Generator().manual_seed(7)
-    nested_everywhere = True
+def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
+    """40 layers' bookkeeping for `spec` at budget 16 (17-20 entries, few score values: many ties) and the cut of
+    each (`reduced`, down to 16 + 1 - reductions): yields (positions, scores, needed extras, reduced policy)."""
+    generator = torch.Generator().manual_seed(seed)
     for trial in range(40):
-        n, kept = 17 + trial % 4, 16 - trial % 12  # a fair chunk's cut: from up to budget + C entries to budget + 1 - C
+        n, kept = 17 + trial % 4, 16 - trial % reductions  # a fair chunk's cut: from up to budget + C entries
         positions = torch.arange(100, 100 + n).expand(2, 3, n)  # ascending stream positions, as the cache keeps them
         moments = (2,) if spec.score_squares else ()  # roco: sums and sums of squares
         scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
         extra = {"keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
                  "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}  # ids 3 and 4 are separators
+        if equal_keys:
+            extra["keys"][:, :, 9] = extra["keys"][:, :, 5]  # equal similarities (keydiff), the older one first
         taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
+        yield positions, scores, taken, spec.reduced(kept)
 
-        def keep(p, slots):  # p's choice among the entries at `slots` (1-D), as slots of that subset
-            return p.keep(positions[..., slots], scores[:, :, slots] if p.needs_scores else None,
-                          **{k: v[:, :, slots] for k, v in taken.items()})
 
-        everything = torch.arange(n)
+def _keep_among(p, slots, positions, scores, taken):
+    """p's choice among the entries at `slots` (1-D), as slots of that subset."""
+    return p.keep(positions[..., slots], scores[:, :, slots] if p.needs_scores else None,
+                  **{k: v[:, :, slots] for k, v in taken.items()})
+
+
+@pytest.mark.parametrize("policy", UNBANDED)
+def test_policies_that_declare_nesting_cuts_keep_the_same_with_one_cut(policy):
+    """`cuts_nest`: cutting to the budget, then with `reduced(b)`, keeps what one cut with `reduced(b)` keeps, for
+    streams with tied scores; a policy that does not declare it (keydiff) is shown not to have it."""
+    spec = build(policy, 16)
+    nested_everywhere = True
+    for positions, scores, taken, reduced in _cut_trials(spec, 7, reductions=12):
+        everything = torch.arange(positions.shape[-1])
         first = spec.keep(positions, scores if spec.needs_scores else None, **taken)
-        reduced = spec.reduced(kept)
         for b in range(2):
             for h in range(3):
                 survivors = first[b, h]
-                twice = survivors[keep(reduced, survivors)[b, h]]
-                once = keep(reduced, everything)[b, h]
+                twice = survivors[_keep_among(reduced, survivors, positions, scores, taken)[b, h]]
+                once = _keep_among(reduced, everything, positions, scores, taken)[b, h]
                 nested_everywhere = nested_everywhere and torch.equal(twice, once)
     assert nested_everywhere == spec.cuts_nest
 
@@ -137,29 +146,19 @@ def test_keeping_twice_at_once_keeps_what_two_cuts_keep(policy):
     every policy without a band: tied scores, duplicated keys (keydiff's equal similarities) and reductions down to
     the sinks alone, where keydiff answers the plain way."""
     spec = build(policy, 16)
-    generator = torch.Generator().manual_seed(11)
-    for trial in range(40):
-        n, kept = 17 + trial % 4, 16 - trial % 15  # a pending cut (budget + 1 entries and more) to budget + 1 - C
-        positions = torch.arange(100, 100 + n).expand(2, 3, n)
-        moments = (2,) if spec.score_squares else ()
-        scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
-        keys = torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64)
-        keys[:, :, 9] = keys[:, :, 5]  # two equal keys: equal similarities, the older one first
-        extra = {"keys": keys, "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}
-        taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
+    for positions, scores, taken, reduced in _cut_trials(spec, 11, reductions=15, equal_keys=True):
         given = scores if spec.needs_scores else None
-        reduced = spec.reduced(kept)
         first = spec.keep(positions, given, **taken)
-        survivors = {k: v.gather(2, first.view(*first.shape, *(1,) * (v.dim() - 3)).expand(*first.shape,
-                                                                                             *v.shape[3:]))
-                     for k, v in {"positions": positions, "scores": scores, **taken}.items()}
-        held, held_scores = survivors.pop("positions"), survivors.pop("scores")
-        second = reduced.keep(held, held_scores if spec.needs_scores else None, **survivors)
-        assert torch.equal(spec.keep_twice(reduced, positions, given, **taken), first.gather(-1, second)), trial
+        both = spec.keep_twice(reduced, positions, given, **taken)
+        for b in range(2):
+            for h in range(3):
+                survivors = first[b, h]
+                twice = survivors[_keep_among(reduced, survivors, positions, scores, taken)[b, h]]
+                assert torch.equal(both[b, h], twice), (reduced.describe(), b, h)
 
 
-@pytest.mark.parametrize("policy, then", [("h2o", [None] * 5), ("keydiff", [None] + [True] * 4)])
-def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, then):
+@pytest.mark.parametrize("policy, both_at_once", [("h2o", False), ("keydiff", True)])
+def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, both_at_once):
     """In a scanned fair forward of 5 blocks over a full cache, every policy cuts once before each block and leaves
     the end's cut (one entry over the budget) to the next forward, or to `settle` when the cache is read. h2o, whose
     cuts nest, cuts with the reduced policy alone; keydiff, whose cuts do not, makes the previous block's cut and its
@@ -178,7 +177,7 @@ def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, then):
 
     monkeypatch.setattr(StreamingLayer, "_cut", counted)
     model(random_ids(20), cache=cache)
-    assert cuts == [(5, None)] + [(8, 5) if both else (5, None) for both in then[1:]]
+    assert cuts == [(5, None)] + [(8, 5) if both_at_once else (5, None)] * 4
     assert all(layer.slots == 9 and layer.cut_pending for layer in cache.layers)
     assert cache.slots == 8 and cuts[-1] == (8, None)  # reading the cache settles it
     assert all(layer.slots == 8 and not layer.cut_pending for layer in cache.layers)

@@ -186,11 +186,10 @@ class StreamingLayer(CacheLayerMixin):
             extra["keys"] = self.keys
         if policy.needs_tokens:
             extra["tokens"] = self.tokens
-        scores = self.scores if policy.needs_scores else None
-        if then is None:
-            keep = policy.keep(self.positions, scores, **extra)
+        if then is None:  # scores are None for a policy without them
+            keep = policy.keep(self.positions, self.scores, **extra)
         else:
-            keep = policy.keep_twice(then, self.positions, scores, **extra)
+            keep = policy.keep_twice(then, self.positions, self.scores, **extra)
         if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
             with outside_inference_mode():  # kept across forwards: memo.py
                 flat_rows = torch.arange(batch * heads, device=keep.device)

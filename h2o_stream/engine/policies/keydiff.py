@@ -65,7 +65,8 @@ class KeyDiffPolicy(EvictionPolicy):
         """Both cuts from one pass over the keys: the second cut's anchor is the sum of the unit keys the first cut
         keeps (their inverse norms as weights, 0 for the dropped), and it ranks among the entries between the sinks
         and its own, shorter, recent window, the dropped ones last. The same slots as cutting twice."""
-        if then.sinks != self.sinks or then.recent > self.recent:  # a reduction that gave up sinks: the plain way
+        # A reduction that gave up sinks (or, never with `reduced`, widened the window): the plain way.
+        if then.sinks != self.sinks or then.recent > self.recent:
             return super().keep_twice(then, positions, scores, keys=keys)
         n = positions.shape[-1]
         keys, inverse_norms = unit_weights(keys)
