@@ -13,7 +13,7 @@ from tiny_models import random_ids, tiny_model
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import EvictionPolicy, declared_options
-from h2o_stream.engine.policies.base import ages, keep_top, top_slots
+from h2o_stream.engine.policies.slots import ages, keep_top, top_slots
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 
 TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",

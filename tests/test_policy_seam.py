@@ -20,7 +20,8 @@ from tiny_models import random_ids, save_tiny_model_dir, tiny_model
 import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, make_policy, register, stream_perplexity
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import RECENT, last_slots, split_budget
+from h2o_stream.engine.policies.base import RECENT, split_budget
+from h2o_stream.engine.policies.slots import last_slots
 
 ENGINE = Path(policies_package.__file__).resolve().parents[1]
 
@@ -28,7 +29,7 @@ ENGINE = Path(policies_package.__file__).resolve().parents[1]
 # -- the registry and the base class -----------------------------------------------------------------------------
 
 def test_every_module_of_the_policies_folder_is_imported_and_registers_its_policy():
-    infrastructure = {"base", "registry", "split"}
+    infrastructure = {"base", "registry", "slots", "split"}
     modules = {m.name for m in pkgutil.iter_modules(policies_package.__path__)} - infrastructure
     registered = {cls.__module__.rsplit(".", 1)[-1] for cls in POLICIES.values()}
     assert modules == registered

@@ -15,6 +15,14 @@ from h2o_stream.errors import H2OStreamError
 UNBANDED = [name for name in EVICTING if name not in BANDED]
 
 
+@pytest.fixture(autouse=True)
+def _tensor_operations(monkeypatch):
+    """The scans here are checked on the tensor operations, bit for bit where they must be; a reference fed one
+    forward per block would otherwise take its one-token blocks through the compiled loop (its own rounding;
+    tests/test_compiled.py checks that loop, scanned and not)."""
+    monkeypatch.setenv("H2O_STREAM_COMPILED", "0")
+
+
 def _grid_pieces(seen: int, length: int, step: int) -> list[int]:
     """The forwards a scan of `length` tokens stands for: cut at multiples of `step` of the tokens seen."""
     sizes, done = [], 0

@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
 from .hooks import active_cache, attach
-from .layer import StreamingLayer
+from .layer import StreamingLayer, compiled_loop
 from .memo import memoised
 from .policies import EvictionPolicy
 
@@ -127,6 +127,7 @@ class StreamingCache(Cache):
                                  "are not supported")
         super().__init__(layers=[StreamingLayer(policy, roller) for _ in range(config.num_hidden_layers)])
         self.policy = policy
+        self._drop_one = policy.drop_one()
         self.rolling = rolling
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
         self.fair = not wide_chunks and policy.band() is None and budget is not None
@@ -267,16 +268,27 @@ class StreamingCache(Cache):
         if self.policy.needs_tokens:
             for layer in self.layers:
                 layer.pending_tokens = inputs
+        compiled = self._compiles(length, blocks)
+        if compiled:
+            blocks = blocks or [1]  # a one-token forward is a scan of one block (the same steps)
         if self.fair and self._held and blocks is None:
             for layer in self.layers:
                 layer.make_room(length)
         for layer in self.layers:
-            layer.scan, layer.scan_fair = blocks, self.fair
+            layer.scan, layer.scan_fair, layer.compiled = blocks, self.fair, compiled
         if slots is None:
             positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
         else:
             positions = torch.tensor(slots, device=inputs.device).unsqueeze(0)
         return positions, self.band_mask(length, inputs.device)
+
+    def _compiles(self, length: int, blocks: list[int] | None) -> bool:
+        """Whether a forward is exact mode's steps for the compiled loop (engine/compiled.py): one token, or a scan in
+        blocks of one, with gradients off, for a policy that declares its one-entry cut (`drop_one`). Its attention
+        may still decline (device, dtype: `StreamingLayer.compiles`) and take the blocks one by one."""
+        one_token_steps = blocks is None and length == 1 or blocks is not None and max(blocks) == 1
+        return (one_token_steps and self._drop_one is not None and not torch.is_grad_enabled()
+                and compiled_loop() is not None)
 
     def _slots_of(self, length: int, blocks: list[int] | None) -> tuple[int, list[int] | None]:
         """(the first token's position, every token's slot in a scanned forward with rolling, else None) for a

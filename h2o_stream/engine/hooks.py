@@ -89,6 +89,11 @@ def _attend(layer, query, key, value, mask, scaling, softcap, sink_query=None, s
 def _scan(layer, query, scaling, softcap):
     """A scanned forward (`StreamingCache(decide_every=...)`): the queries block by block, each block's entries
     appended after the previous block's cut, as if every block were its own forward."""
+    if layer.compiles(query, softcap):
+        try:
+            return layer.compiled_steps(query, scaling)
+        finally:
+            layer.close_scan()
     outputs, start = [], 0
     try:
         for length in layer.scan:

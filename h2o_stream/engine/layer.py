@@ -15,6 +15,9 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -45,6 +48,8 @@ class StreamingLayer(CacheLayerMixin):
         self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
         self._block_is_last = True  # whether the block now attending is the last of the scanned forward
+        self.compiled = False  # whether that forward's blocks are exact mode's steps for the compiled loop
+        self._workspace = None  # the compiled loop's storage (engine/compiled.py), while the layer's tensors are its
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -89,6 +94,38 @@ class StreamingLayer(CacheLayerMixin):
     def close_scan(self) -> None:
         self._incoming = None
         self._block_is_last = True
+        self.compiled = False
+
+    def compiles(self, query: torch.Tensor, softcap) -> bool:
+        """Whether the scanned forward now running goes through the compiled loop (`compiled_steps`): its blocks are
+        one token each (set by the cache) and its attention fits the loop (CPU, float32/float64, no soft-capping)."""
+        return (self.compiled and softcap is None and query.device.type == "cpu"
+                and query.dtype in (torch.float32, torch.float64))
+
+    def compiled_steps(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
+        """The scanned forward's one-token blocks in one compiled call (engine/compiled.py): the same appends,
+        attention, scores and cuts as taking them block by block. Returns the attention output (batch, L, q_heads,
+        dim)."""
+        compiled = compiled_loop()
+        self.settle()  # a fair chunk's pending cut: what the first block's make_room(1) would do
+        budget = self.policy.budget
+        space = self._workspace
+        if space is None or not space.holds(self.keys):
+            space = self._workspace = compiled.Workspace.around(self.keys, self.values, self.positions, self.scores,
+                                                                budget + 1, self.policy.score_moments)
+        tables = None
+        if self.roller is not None:
+            table = self.roller.table(budget + 1, self.device)
+            tables = (table["cos"], table["sin_rh"], table["ucos"], table["usin_rh"])
+        keys, values = self._incoming
+        output, held, dropped, most = compiled.exact_steps(
+            space, self.slots, query, keys, values, tables, scaling=scaling, seen=self.seen, budget=budget,
+            rule=self.policy.drop_one(), layer_mean=self.policy.score_heads == "layer")
+        self.keys, self.values, self.positions, self.scores = space.hand_out(held, self.scores is not None)
+        self.seen += keys.shape[-2]
+        self.evicted += dropped
+        self.max_keys = max(self.max_keys, most)
+        return output
 
     def _append(self, key_states, value_states, tokens):
         n, c = self.slots, key_states.shape[-2]
@@ -212,6 +249,7 @@ class StreamingLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
+        self._workspace = None
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 
@@ -238,6 +276,23 @@ class StreamingLayer(CacheLayerMixin):
         self.is_initialized = self.keys is not None
         if self.is_initialized:
             self.device = self.keys.device
+
+
+def compiled_loop():
+    """engine/compiled.py, or None where it cannot run (numba not installed) or is switched off
+    (H2O_STREAM_COMPILED=0, read at every forward)."""
+    if os.environ.get("H2O_STREAM_COMPILED", "1") == "0":
+        return None
+    return _import_compiled()
+
+
+@functools.cache
+def _import_compiled():
+    try:
+        from . import compiled
+    except ImportError:
+        return None
+    return compiled
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:

@@ -19,7 +19,8 @@ import torch
 from h2o_stream.errors import H2OStreamError
 
 from ..memo import memoised
-from .base import HEAVY, RECENT, EvictionPolicy, Setting, keep_top
+from .base import HEAVY, RECENT, DropOne, EvictionPolicy, Setting
+from .slots import keep_top
 from .registry import register
 
 
@@ -52,6 +53,9 @@ class A2SFPolicy(EvictionPolicy):
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
         return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=0, recent=self.recent, ranked=True, decay=self.alpha)
 
 
 @memoised(32)

@@ -23,7 +23,7 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 
-from ..memo import memoised
+from .slots import at_slots
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,24 @@ class Setting:
     def __post_init__(self):
         if not self.name.isidentifier():
             raise H2OStreamError(f"a policy setting needs a name usable as an argument, got {self.name!r}")
+
+
+@dataclass(frozen=True)
+class DropOne:
+    """How a policy makes exact mode's cut of one entry (a layer holding budget + 1), declared for the compiled
+    exact-mode step (`engine/compiled.py`), which must then drop what `keep` would: per KV head, the slots below
+    `sinks` and the last `recent` slots are never dropped; of the others, with `ranked`, the lowest score goes (of
+    equal lowest, the newest: `keep`'s ties to the older entry), else the oldest one.
+
+    Scores, with `ranked`: a new entry starts at 0 and each step `score <- decay * score + received`, or
+    `score <- received` with `latest_only` (the current query's attention alone); received per KV head or the
+    layer's mean, as the policy's `score_heads` says."""
+
+    sinks: int
+    recent: int
+    ranked: bool
+    decay: float = 1.0
+    latest_only: bool = False
 
 
 class EvictionPolicy(ABC):
@@ -237,6 +255,11 @@ class EvictionPolicy(ABC):
                            **{name: at_slots(value, first) for name, value in extra.items()})
         return first.gather(-1, second)
 
+    def drop_one(self) -> DropOne | None:
+        """How this policy's exact-mode cut of one entry is made (`DropOne`), if it is that simple, so that exact mode
+        may run compiled (`engine/compiled.py`); None (the default) keeps exact mode on the tensor operations."""
+        return None
+
     def reduced(self, budget: int) -> EvictionPolicy:
         """This policy with a smaller `budget` (>= 1): what a fair chunk of C tokens keeps before it runs, at
         budget + 1 - C, so that its last query sees this policy's budget + 1 keys, as in exact mode.
@@ -313,78 +336,3 @@ def check_count(name: str, value: int, *, minimum: int = 0) -> int:
     if value < minimum:
         raise H2OStreamError(f"{name} must be >= {minimum}, got {value}")
     return value
-
-
-def at_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """x (batch, heads, n, *rest) at `slots` (batch, heads, m) of its slot axis: (batch, heads, m, *rest)."""
-    index = slots.view(*slots.shape, *(1,) * (x.dim() - 3)).expand(*slots.shape, *x.shape[3:])
-    return x.gather(2, index)
-
-
-def ages(positions: torch.Tensor) -> torch.Tensor:
-    """Steps each entry has been in the cache, its arrival step included (the newest entry: 1), same shape."""
-    return positions[..., -1:] - positions + 1
-
-
-def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order: bool = True) -> torch.Tensor:
-    """Ascending slots of the `count` highest `ranks` (batch, heads, m), offset by `start` (the slot of ranks[0]);
-    equal ranks go to the lower slot, i.e. the older entry. `in_slot_order=False`: the same slots in any order (for a
-    caller that only marks them), one sort fewer."""
-    m = ranks.shape[-1]
-    if count == m - 1:
-        top = _all_but(_lowest_last(ranks), m, ranks)
-        return top + start if start else top
-    # A stable descending sort keeps equal ranks in slot (= stream) order, so ties favour the older entry.
-    top = torch.sort(ranks, dim=-1, descending=True, stable=True).indices[..., :count]
-    if in_slot_order:
-        top = top.sort(dim=-1).values
-    return top + start if start else top
-
-
-def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> torch.Tensor:
-    """What most scored policies keep: the first `sinks` slots, the `count` highest `ranks` among the slots between
-    them and the last `recent` (ranks (batch, heads, m) covers exactly those m), and the last `recent`; ascending.
-    Ties as in `top_slots`."""
-    m = ranks.shape[-1]
-    n = sinks + m + recent
-    if count == m - 1:
-        # Exact mode's usual cut, one entry: every slot but the dropped one, without assembling three parts.
-        drop = _lowest_last(ranks)
-        return _all_but(drop + sinks if sinks else drop, n, ranks)
-    parts = [first_slots(sinks, ranks)] if sinks else []
-    parts += [top_slots(ranks, count, start=sinks), last_slots(n, recent, ranks)]
-    return torch.cat(parts, dim=-1)
-
-
-def _lowest_last(ranks: torch.Tensor) -> torch.Tensor:
-    """(batch, heads, 1): the slot of the lowest rank, of equal lowest ranks the newest (argmin of the flipped ranks
-    finds the last). Two sorts per layer and step were a tenth of the cache's time per token."""
-    return (ranks.shape[-1] - 1) - ranks.flip(-1).argmin(dim=-1, keepdim=True)
-
-
-def _all_but(drop: torch.Tensor, n: int, like: torch.Tensor) -> torch.Tensor:
-    """Slots 0..n-1 without `drop` (batch, heads, 1), ascending: (batch, heads, n - 1)."""
-    slots = slot_range(0, n - 1, like)
-    return slots + (slots >= drop)
-
-
-def first_slots(count: int, like: torch.Tensor) -> torch.Tensor:
-    """Slot indices 0..count-1 broadcast to like's (batch, kv_heads) shape: where the stream's first `count` tokens
-    sit once a policy that always keeps them has cut at least once."""
-    return slot_range(0, count, like)
-
-
-def last_slots(n: int, count: int, like: torch.Tensor) -> torch.Tensor:
-    """Slot indices n-count..n-1 broadcast to like's (batch, kv_heads) shape."""
-    return slot_range(n - count, n, like)
-
-
-def slot_range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
-    """Slot indices start..stop-1 broadcast to like's (batch, kv_heads) shape. Memoised (every layer and step asks
-    for the same few): never modify the result in place."""
-    return _slot_range(start, stop, tuple(like.shape[:2]), like.device)
-
-
-@memoised(256)
-def _slot_range(start: int, stop: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
-    return torch.arange(start, stop, device=device).expand(*shape, stop - start)

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEAVY, RECENT, EvictionPolicy, keep_top
+from .base import HEAVY, RECENT, DropOne, EvictionPolicy
+from .slots import keep_top
 from .registry import register
 
 
@@ -27,3 +28,6 @@ class H2OPolicy(EvictionPolicy):
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         n = positions.shape[-1]
         return keep_top(scores[..., : n - self.recent], self.heavy, sinks=0, recent=self.recent)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=0, recent=self.recent, ranked=True)

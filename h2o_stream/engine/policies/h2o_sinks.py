@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import HEAVY, RECENT, SINKS, EvictionPolicy, keep_top
+from .base import HEAVY, RECENT, SINKS, DropOne, EvictionPolicy
+from .slots import keep_top
 from .registry import register
 
 
@@ -32,3 +33,6 @@ class H2OSinksPolicy(EvictionPolicy):
         # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
         n = positions.shape[-1]
         return keep_top(scores[..., self.sinks: n - self.recent], self.heavy, sinks=self.sinks, recent=self.recent)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=self.sinks, recent=self.recent, ranked=True)

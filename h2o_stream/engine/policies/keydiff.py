@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import RECENT, SINKS, EvictionPolicy, Part, keep_top
+from .base import RECENT, SINKS, EvictionPolicy, Part
+from .slots import keep_top
 from .registry import register
 
 

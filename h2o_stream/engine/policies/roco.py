@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictionPolicy, Part, ages, last_slots, top_slots
+from .base import EvictionPolicy, Part
+from .slots import ages, last_slots, top_slots
 from .registry import register
 
 

@@ -21,7 +21,8 @@ import torch
 from h2o_stream.errors import H2OStreamError
 
 from ..memo import memoised
-from .base import RECENT, SINKS, EvictionPolicy, Part, keep_top
+from .base import RECENT, SINKS, EvictionPolicy, Part
+from .slots import keep_top
 from .registry import register
 
 #: SepLLM's separators: a token made only of these (and at least one of them) is a separator

@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import RECENT, SINKS, EvictionPolicy, first_slots, last_slots
+from .base import RECENT, SINKS, DropOne, EvictionPolicy
+from .slots import first_slots, last_slots
 from .registry import register
 
 
@@ -25,3 +26,6 @@ class SinkPolicy(EvictionPolicy):
         # The sinks are the first stream tokens; once the cache is past them they always sit in slots 0..sinks-1.
         n = positions.shape[-1]
         return torch.cat([first_slots(self.sinks, positions), last_slots(n, self.recent, positions)], dim=-1)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=self.sinks, recent=self.recent, ranked=False)

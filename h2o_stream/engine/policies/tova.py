@@ -18,7 +18,8 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 
-from .base import EvictionPolicy, Part, Setting, top_slots
+from .base import DropOne, EvictionPolicy, Part, Setting
+from .slots import top_slots
 from .registry import register
 
 
@@ -49,3 +50,6 @@ class TOVAPolicy(EvictionPolicy):
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         return top_slots(scores, self.states)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=0, recent=0, ranked=True, latest_only=True)

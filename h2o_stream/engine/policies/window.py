@@ -6,7 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import RECENT, EvictionPolicy, last_slots
+from .base import RECENT, DropOne, EvictionPolicy
+from .slots import last_slots
 from .registry import register
 
 
@@ -22,3 +23,6 @@ class WindowPolicy(EvictionPolicy):
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
         return last_slots(positions.shape[-1], self.recent, positions)
+
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=0, recent=self.recent, ranked=False)

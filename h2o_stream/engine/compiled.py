@@ -1,0 +1,220 @@
+"""Exact mode compiled: one call per layer and forward makes every one-token step of it (append, attend, score, cut).
+
+Exact mode on the tensor operations costs ~30 small operations per layer and token (append, re-rotation, attention
+with scores, the cut's ranking and gathers) against the raw decode step's three, and a scanned exact forward makes
+them 256 times per layer. Here one compiled loop does what `StreamingLayer` and `attend_with_scores` do, step by step,
+for a policy that declares how its one-entry cut is made (`EvictionPolicy.drop_one`): the new entry is appended
+(un-rotated from its slot when rolling), keys are rotated to their slots (only those whose slot changed since the last
+step), each query head attends over the `n + 1` entries (probabilities in float32, as `attend_with_scores`), the
+probabilities received become scores (summed over the query heads of a KV head, or the layer's mean; accumulated,
+decayed or replaced) and, holding budget + 1, the layer drops one entry and closes the gap.
+
+It runs on the CPU in float32 or float64 with gradients off; the same numbers as the tensor path up to float rounding
+(tested against it and against the oracle, tests/test_compiled.py). Numba compiles it on first use (a few seconds,
+then cached on disk); without numba, or with H2O_STREAM_COMPILED=0, exact mode runs on the tensor operations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+import torch
+
+#: float reassociation (vectorised dot products) and fused multiply-adds; no assumptions about NaN or infinities
+_FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+_compile = numba.njit(cache=True, fastmath=_FASTMATH, boundscheck=False, error_model="numpy")
+
+
+@dataclass
+class Workspace:
+    """A layer's storage for the compiled step: keys, values, positions and scores with room for budget + 1
+    entries (the layer's tensors are views of their first `held` slots), keys rotated to their slots, and how many
+    leading slots of those are still current per (row, KV head)."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    positions: torch.Tensor
+    scores: torch.Tensor
+    rotated: torch.Tensor
+    current: torch.Tensor
+    views: tuple = ()
+
+    @classmethod
+    def around(cls, keys, values, positions, scores, capacity: int, moments: tuple[int, ...]) -> Workspace:
+        """A workspace holding copies of the given entries (scores None: the policy keeps none)."""
+        batch, heads, held, dim = keys.shape
+        room = (batch, heads, capacity)
+        space = cls(keys.new_empty(*room, dim), values.new_empty(*room, values.shape[-1]),
+                    positions.new_empty(room), torch.zeros(*room, *moments, dtype=torch.float64),
+                    keys.new_empty(*room, dim), torch.zeros(batch, heads, dtype=torch.long))
+        space.keys[:, :, :held] = keys
+        space.values[:, :, :held] = values
+        space.positions[:, :, :held] = positions
+        if scores is not None:
+            space.scores[:, :, :held] = scores
+        return space
+
+    def holds(self, keys: torch.Tensor) -> bool:
+        """Whether the layer's keys are this workspace's view (nothing else has replaced them since)."""
+        return bool(self.views) and self.views[0] is keys
+
+    def hand_out(self, held: int, with_scores: bool) -> tuple:
+        """Views of the first `held` slots: (keys, values, positions, scores or None); remembered for `holds`."""
+        self.views = (self.keys[:, :, :held], self.values[:, :, :held], self.positions[:, :, :held],
+                      self.scores[:, :, :held] if with_scores else None)
+        return self.views
+
+
+def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, scaling: float, seen: int,
+                budget: int, rule, layer_mean: bool) -> tuple[torch.Tensor, int, int, int]:
+    """Run the forward's tokens one step each over `space` (holding `held` entries, at most `budget`).
+
+    `query` (batch, q_heads, L, dim), `keys`/`values` (batch, kv_heads, L, dim) as the model made them (keys rotated
+    at their slots when rolling), `tables` the roller's (cos, sin_rh, ucos, usin_rh) for slots 0..budget or None
+    without rolling; `rule` the policy's `DropOne`. Returns (attention output (batch, L, q_heads, dim), entries held
+    after, entries dropped over all rows and heads, the most keys a query saw)."""
+    batch, q_heads, length, dim = query.shape
+    out = query.new_empty(batch, length, q_heads, values.shape[-1])
+    # attention probabilities as the tensor path has them: float32 where they become scores (attend_with_scores),
+    # else in the model's dtype (scaled_dot_product_attention)
+    probs = np.empty((q_heads, space.keys.shape[2]), dtype=np.float32 if rule.ranked else out.numpy().dtype)
+    if tables is None:
+        cos = sin_rh = ucos = usin_rh = np.zeros((1, 0), dtype=np.float32)
+    else:
+        cos, sin_rh, ucos, usin_rh = (t.numpy() for t in tables)
+    held, dropped, most = _exact_steps(
+        query.contiguous().numpy(), keys.contiguous().numpy(), values.contiguous().numpy(), space.keys.numpy(),
+        space.values.numpy(), space.positions.numpy(), space.scores.numpy(), space.rotated.numpy(),
+        space.current.numpy(), out.numpy(), probs, cos, sin_rh, ucos, usin_rh, tables is not None, held, seen, budget,
+        scaling, rule.sinks, rule.recent, rule.ranked, rule.decay, rule.latest_only, layer_mean)
+    return out, held, dropped, most
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)  # a call per key, not inlined, doubled the step's time
+def _rotate(dst, src, cos, sin_rh, rotary: int, dim: int) -> None:
+    """dst = src * cos + roll(src, rotary / 2) * sin_rh on the first `rotary` dims (in float32, as
+    rope_rolling._apply), the rest copied."""
+    half = rotary // 2
+    for i in range(half):
+        dst[i] = np.float32(src[i]) * cos[i] + np.float32(src[i + half]) * sin_rh[i]
+        dst[i + half] = np.float32(src[i + half]) * cos[i + half] + np.float32(src[i]) * sin_rh[i + half]
+    for i in range(rotary, dim):
+        dst[i] = src[i]
+
+
+@_compile
+def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, rotated, current, out, probs, cos, sin_rh,
+                 ucos, usin_rh, rolling, held, seen, budget, scaling, sinks, recent, ranked, decay, latest_only,
+                 layer_mean):
+    """The compiled loop (see `exact_steps` for the arguments, and the module docstring)."""
+    batch, q_heads, length, dim = query.shape
+    kv_heads = keys.shape[1]
+    group = q_heads // kv_heads
+    rotary = cos.shape[1]
+    n = held
+    dropped = 0
+    most = 0
+    received = np.empty((kv_heads, keys.shape[2]), dtype=np.float32)
+    scaled = np.empty(dim, dtype=query.dtype)
+    total_out = np.empty(values.shape[-1], dtype=values.dtype)
+    for t in range(length):
+        slot = n
+        for b in range(batch):
+            for h in range(kv_heads):
+                if rolling:
+                    _rotate(keys[b, h, slot], new_keys[b, h, t], ucos[slot], usin_rh[slot], rotary, dim)
+                else:
+                    for i in range(dim):
+                        keys[b, h, slot, i] = new_keys[b, h, t, i]
+                for i in range(values.shape[-1]):
+                    values[b, h, slot, i] = new_values[b, h, t, i]
+                positions[b, h, slot] = seen + t
+                if ranked:
+                    scores[b, h, slot] = 0.0
+        n += 1
+        most = max(most, n)
+        for b in range(batch):
+            for h in range(kv_heads):
+                # keys whose slot changed since they were last rotated (a cut renumbers those after it)
+                for j in range(current[b, h], n):
+                    if rolling:
+                        _rotate(rotated[b, h, j], keys[b, h, j], cos[j], sin_rh[j], rotary, dim)
+                    else:
+                        for i in range(dim):
+                            rotated[b, h, j, i] = keys[b, h, j, i]
+                current[b, h] = n
+                for g in range(group):
+                    head = h * group + g
+                    for i in range(dim):
+                        scaled[i] = query[b, head, t, i] * scaling
+                    for j in range(n):
+                        logit = scaled[0] * 0
+                        for i in range(dim):
+                            logit += scaled[i] * rotated[b, h, j, i]
+                        probs[head, j] = logit
+                    top = probs[head, 0]
+                    for j in range(1, n):
+                        top = max(top, probs[head, j])
+                    total = top * 0
+                    for j in range(n):
+                        probs[head, j] = math.exp(probs[head, j] - top)
+                        total += probs[head, j]
+                    for j in range(n):
+                        probs[head, j] = probs[head, j] / total
+                    for i in range(values.shape[-1]):
+                        total_out[i] = 0.0
+                    for j in range(n):
+                        p = probs[head, j]
+                        for i in range(values.shape[-1]):
+                            total_out[i] += p * values[b, h, j, i]
+                    for i in range(values.shape[-1]):
+                        out[b, t, head, i] = total_out[i]
+            if ranked:
+                for h in range(kv_heads):
+                    for j in range(n):
+                        s = probs[h * group, j]
+                        for g in range(1, group):
+                            s += probs[h * group + g, j]
+                        received[h, j] = s
+                if layer_mean:
+                    for j in range(n):
+                        s = received[0, j]
+                        for h in range(1, kv_heads):
+                            s += received[h, j]
+                        s = s / np.float32(q_heads)
+                        for h in range(kv_heads):
+                            received[h, j] = s
+                for h in range(kv_heads):
+                    for j in range(n):
+                        if latest_only:
+                            scores[b, h, j] = received[h, j]
+                        elif decay != 1.0:
+                            scores[b, h, j] = scores[b, h, j] * decay + received[h, j]
+                        else:
+                            scores[b, h, j] += received[h, j]
+            if n <= budget:
+                continue
+            for h in range(kv_heads):
+                drop = sinks
+                if ranked:  # the lowest score; of equal lowest, the newest
+                    lowest = scores[b, h, sinks]
+                    for j in range(sinks + 1, n - recent):
+                        if scores[b, h, j] <= lowest:
+                            lowest = scores[b, h, j]
+                            drop = j
+                for j in range(drop, n - 1):
+                    for i in range(dim):
+                        keys[b, h, j, i] = keys[b, h, j + 1, i]
+                    for i in range(values.shape[-1]):
+                        values[b, h, j, i] = values[b, h, j + 1, i]
+                    positions[b, h, j] = positions[b, h, j + 1]
+                    if ranked:
+                        scores[b, h, j] = scores[b, h, j + 1]
+                current[b, h] = min(current[b, h], drop)
+        if n > budget:
+            n -= 1
+            dropped += batch * kv_heads
+    return n, dropped, most
