@@ -98,19 +98,20 @@ def test_compiled_exact_mode_agrees_with_the_oracle(variant, kv_heads, rolling, 
     assert calls[0] == cache.seen * len(cache.layers)
 
 
-@pytest.mark.parametrize("variant", ["h2o", "tova", "a2sf-alpha-0.5", "h2o_sinks"])
+@pytest.mark.parametrize("variant", ["h2o", "tova", "a2sf-alpha-0.5", "h2o_sinks", "roco"])
 @pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
 def test_a_scanned_exact_forward_is_one_compiled_call_per_layer(variant, rolling, calls, monkeypatch):
     """`decide_every=1` (ppl --exact) in forwards of 13 tokens: one call per layer and forward, and the same as the
     tensor operations taking the blocks one by one."""
+    forward = 13
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     ids = random_ids(10 * BUDGET, seed=3)
     policy = COMPILED[variant]()
-    mine, mine_cache = _decode(model, policy, ids, compiled=True, forward=13, decide_every=1, rolling=rolling,
+    mine, mine_cache = _decode(model, policy, ids, compiled=True, forward=forward, decide_every=1, rolling=rolling,
                                monkeypatch=monkeypatch)
-    assert calls[0] == -(-ids.shape[1] // 13) * len(mine_cache.layers)
-    theirs, theirs_cache = _decode(model, policy, ids, compiled=False, forward=13, decide_every=1, rolling=rolling,
-                                   monkeypatch=monkeypatch)
+    assert calls[0] == -(-ids.shape[1] // forward) * len(mine_cache.layers)
+    theirs, theirs_cache = _decode(model, policy, ids, compiled=False, forward=forward, decide_every=1,
+                                   rolling=rolling, monkeypatch=monkeypatch)
     assert torch.allclose(mine, theirs, atol=2e-5, rtol=0)
     _same_caches(mine_cache, theirs_cache, atol=1e-5)
 
@@ -145,21 +146,29 @@ def test_one_call_of_many_steps_equals_many_calls_of_one_bit_for_bit(variant, ro
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
-@pytest.mark.parametrize("variant", sorted(COMPILED))
-@pytest.mark.parametrize("queries", ["zero", "random"])
+@pytest.mark.parametrize("variant", sorted(COMPILED) + ["roco-volatile-4"])
+@pytest.mark.parametrize("queries", ["zero", "random", "deaf"])
 def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, queries):
     """One layer, holding a full budget of entries with equal scores, fed the same queries, keys and values step by
-    step on both paths. Zero queries attend uniformly, so those scores stay tied (and tova's tie everywhere): the
-    loop must drop the entry `keep` leaves out, of equal lowest the newest."""
-    policy = COMPILED[variant]()
-    roller = RopeRoller.for_model(tiny_model("llama", num_key_value_heads=2))
+    step on both paths. Zero queries attend uniformly, so those scores stay tied (and tova's tie everywhere). "deaf":
+    without rolling, one key in four faces the (large) queries and the others face away, so far that they receive
+    exactly 0: their scores (and roco's means and variances) tie at 0, and more volatile slots than live keys spare
+    tied entries too. The loop must drop the entry `keep` leaves out, of equal lowest the newest."""
+    policy = make_policy("roco", BUDGET, volatile=4, heavy=1, recent=3) if variant == "roco-volatile-4" \
+        else COMPILED[variant]()
+    roller = RopeRoller.for_model(tiny_model("llama", num_key_value_heads=2)) if queries != "deaf" else None
     generator = torch.Generator().manual_seed(19)
     steps = 6 * BUDGET
     query = torch.randn(1, 4, steps, 16, generator=generator) * (queries == "random")
     keys, values = (torch.randn(1, 2, BUDGET + steps, 16, generator=generator) for _ in range(2))
+    if queries == "deaf":
+        facing = torch.ones(16) / 4
+        query = 80 * facing.expand(1, 4, steps, 16)
+        keys = (torch.arange(BUDGET + steps) % 4 == 1).float().mul(2).sub(1)[None, None, :, None] * 8 * facing
+        keys = keys.expand(1, 2, -1, -1)
     held = {"keys": keys[:, :, :BUDGET], "values": values[:, :, :BUDGET], "seen": BUDGET, "evicted": 0,
             "positions": torch.arange(BUDGET).expand(1, 2, BUDGET), "max_keys": BUDGET,
-            "scores": torch.zeros(1, 2, BUDGET, dtype=torch.float64)}
+            "scores": torch.zeros(1, 2, BUDGET, *policy.score_moments, dtype=torch.float64)}
     layers = [StreamingLayer(policy, roller) for _ in range(2)]
     for layer in layers:
         layer.load_state(dict(held))
@@ -261,9 +270,9 @@ def test_forwards_that_are_not_exact_steps_stay_on_the_tensor_operations(case, c
 
 
 def test_the_tensor_only_list_is_not_empty():
-    """roco, keydiff and sepllm decide from more than a score per entry: they declare no compiled cut (the forwards
-    test above would check nothing for them otherwise)."""
-    assert {"roco", "keydiff", "sepllm"} <= set(TENSOR_ONLY)
+    """keydiff and sepllm decide from keys and token ids: they declare no compiled cut (the forwards test above would
+    check nothing for them otherwise)."""
+    assert {"keydiff", "sepllm"} <= set(TENSOR_ONLY)
 
 
 @pytest.mark.parametrize("variant", sorted(COMPILED))
@@ -276,16 +285,24 @@ def test_a_declared_cut_drops_what_keep_drops(variant):
     n = policy.budget + 1
     generator = torch.Generator().manual_seed(0)
     for _ in range(50):
-        scores = torch.randint(0, 3, (2, 3, n), generator=generator).double()
+        scores = torch.randint(0, 3, (2, 3, n, *policy.score_moments), generator=generator).double()
         positions = torch.arange(n).expand(2, 3, n) + 100
         kept = policy.keep(positions, scores if policy.needs_scores else None)
         for b in range(2):
             for h in range(3):
                 left_out = sorted(set(range(n)) - set(kept[b, h].tolist()))
-                candidates = range(rule.sinks, n - rule.recent)
+                candidates = list(range(rule.sinks, n - rule.recent))
+                ranks = scores[b, h].tolist()
+                if rule.by_mean:  # roco: mean and variance over the age; the most volatile are spared
+                    age = [positions[b, h, -1].item() - positions[b, h, j].item() + 1 for j in range(n)]
+                    mean = [ranks[j][0] / age[j] for j in range(n)]
+                    variance = [ranks[j][1] / age[j] - mean[j] ** 2 for j in range(n)]
+                    spared = sorted(candidates, key=lambda j: (-variance[j], j))[:rule.volatile]
+                    candidates = [j for j in candidates if j not in spared]
+                    ranks = mean
                 if rule.ranked:
-                    lowest = min(scores[b, h, j] for j in candidates)
-                    expected = max(j for j in candidates if scores[b, h, j] == lowest)
+                    lowest = min(ranks[j] for j in candidates)
+                    expected = max(j for j in candidates if ranks[j] == lowest)
                 else:
                     expected = rule.sinks
                 assert left_out == [expected]

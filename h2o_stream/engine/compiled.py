@@ -30,31 +30,37 @@ _compile = numba.njit(cache=True, fastmath=_FASTMATH, boundscheck=False, error_m
 
 @dataclass
 class Workspace:
-    """A layer's storage for the compiled step: keys, values, positions and scores with room for budget + 1
-    entries (the layer's tensors are views of their first `held` slots), keys rotated to their slots, and how many
-    leading slots of those are still current per (row, KV head)."""
+    """A layer's storage for the compiled loop: keys, values, positions and scores (with their squares, for a policy
+    ranking by mean) with room for budget + 1 entries (the layer's tensors are views of their first `held` slots),
+    keys rotated to their slots, and how many leading slots of those are current per (row, KV head)."""
 
     keys: torch.Tensor
     values: torch.Tensor
     positions: torch.Tensor
-    scores: torch.Tensor
+    scores: torch.Tensor  # (batch, kv_heads, capacity, moments): moments 1, or 2 with the squares
     rotated: torch.Tensor
     current: torch.Tensor
     views: tuple = ()
+    arrays: tuple = ()  # numpy views of the six above, made once
+
+    def __post_init__(self):
+        self.arrays = tuple(t.numpy() for t in (self.keys, self.values, self.positions, self.scores, self.rotated,
+                                                self.current))
 
     @classmethod
     def around(cls, keys, values, positions, scores, capacity: int, moments: tuple[int, ...]) -> Workspace:
-        """A workspace holding copies of the given entries (scores None: the policy keeps none)."""
+        """A workspace holding copies of the given entries (scores None: the policy keeps none; `moments` their
+        trailing shape, as `EvictionPolicy.score_moments`)."""
         batch, heads, held, dim = keys.shape
         room = (batch, heads, capacity)
         space = cls(keys.new_empty(*room, dim), values.new_empty(*room, values.shape[-1]),
-                    positions.new_empty(room), torch.zeros(*room, *moments, dtype=torch.float64),
+                    positions.new_empty(room), torch.zeros(*room, *(moments or (1,)), dtype=torch.float64),
                     keys.new_empty(*room, dim), torch.zeros(batch, heads, dtype=torch.long))
         space.keys[:, :, :held] = keys
         space.values[:, :, :held] = values
         space.positions[:, :, :held] = positions
         if scores is not None:
-            space.scores[:, :, :held] = scores
+            space.scores[:, :, :held] = scores.reshape(space.scores[:, :, :held].shape)
         return space
 
     def holds(self, keys: torch.Tensor) -> bool:
@@ -63,8 +69,9 @@ class Workspace:
 
     def hand_out(self, held: int, with_scores: bool) -> tuple:
         """Views of the first `held` slots: (keys, values, positions, scores or None); remembered for `holds`."""
+        scores = self.scores[:, :, :held]
         self.views = (self.keys[:, :, :held], self.values[:, :, :held], self.positions[:, :, :held],
-                      self.scores[:, :, :held] if with_scores else None)
+                      (scores if scores.shape[-1] == 2 else scores[..., 0]) if with_scores else None)
         return self.views
 
 
@@ -80,17 +87,19 @@ def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, sca
     out = query.new_empty(batch, length, q_heads, values.shape[-1])
     # attention probabilities as the tensor path has them: float32 where they become scores (attend_with_scores),
     # else in the model's dtype (scaled_dot_product_attention)
-    probs = np.empty((q_heads, space.keys.shape[2]), dtype=np.float32 if rule.ranked else out.numpy().dtype)
+    probs = np.empty((q_heads, space.keys.shape[2]), dtype=np.float32 if rule.ranked else space.arrays[0].dtype)
     if tables is None:
-        cos = sin_rh = ucos = usin_rh = np.zeros((1, 0), dtype=np.float32)
+        cos = sin_rh = ucos = usin_rh = _NO_TABLE
     else:
         cos, sin_rh, ucos, usin_rh = (t.numpy() for t in tables)
     held, dropped, most = _exact_steps(
-        query.contiguous().numpy(), keys.contiguous().numpy(), values.contiguous().numpy(), space.keys.numpy(),
-        space.values.numpy(), space.positions.numpy(), space.scores.numpy(), space.rotated.numpy(),
-        space.current.numpy(), out.numpy(), probs, cos, sin_rh, ucos, usin_rh, tables is not None, held, seen, budget,
-        scaling, rule.sinks, rule.recent, rule.ranked, rule.decay, rule.latest_only, layer_mean)
+        query.contiguous().numpy(), keys.contiguous().numpy(), values.contiguous().numpy(), *space.arrays,
+        out.numpy(), probs, cos, sin_rh, ucos, usin_rh, tables is not None, held, seen, budget, scaling, rule.sinks,
+        rule.recent, rule.ranked, rule.decay, rule.latest_only, rule.volatile if rule.by_mean else -1, layer_mean)
     return out, held, dropped, most
+
+
+_NO_TABLE = np.zeros((1, 0), dtype=np.float32)
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)  # a call per key, not inlined, doubled the step's time
@@ -105,21 +114,57 @@ def _rotate(dst, src, cos, sin_rh, rotary: int, dim: int) -> None:
         dst[i] = src[i]
 
 
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _lowest(ranks, start: int, stop: int, skip) -> int:
+    """The slot of the lowest of ranks[start:stop] not in `skip` (of equal lowest, the newest), or -1."""
+    drop = -1
+    for j in range(start, stop):
+        if not skip[j] and (drop < 0 or ranks[j] <= ranks[drop]):
+            drop = j
+    return drop
+
+
+@numba.njit(inline="always", fastmath=_FASTMATH)
+def _drop_by_mean(scores, positions, n: int, stop: int, volatile: int, mean, variance, skip) -> int:
+    """roco's one-entry cut among slots 0..stop-1: of those not among the `volatile` of highest variance (of equal
+    variance, the older), the lowest mean attention (of equal lowest, the newest). Means and variances over each
+    entry's age, as RoCoPolicy.keep computes them."""
+    for j in range(stop):
+        age = np.float64(positions[n - 1] - positions[j] + 1)
+        mean[j] = scores[j, 0] / age
+        variance[j] = scores[j, 1] / age - mean[j] * mean[j]
+        skip[j] = False
+    while True:  # the lowest mean that is not volatile; in practice the first candidate
+        drop = _lowest(mean, 0, stop, skip)
+        above = 0  # entries ranked above it by variance (higher, or equal and older)
+        for k in range(stop):
+            if variance[k] > variance[drop] or (variance[k] == variance[drop] and k < drop):
+                above += 1
+        if above >= volatile:
+            return drop
+        skip[drop] = True
+
+
 @_compile
-def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, rotated, current, out, probs, cos, sin_rh,
-                 ucos, usin_rh, rolling, held, seen, budget, scaling, sinks, recent, ranked, decay, latest_only,
-                 layer_mean):
-    """The compiled loop (see `exact_steps` for the arguments, and the module docstring)."""
+def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, rotated, current, out, probs, cos,
+                 sin_rh, ucos, usin_rh, rolling, held, seen, budget, scaling, sinks, recent, ranked, decay,
+                 latest_only, volatile, layer_mean):
+    """The compiled loop (see `exact_steps` for the arguments and the module docstring; `volatile` >= 0: rank by
+    mean with roco's protected volatile entries); returns (entries held after, entries dropped, the most keys a
+    query saw)."""
     batch, q_heads, length, dim = query.shape
-    kv_heads = keys.shape[1]
+    kv_heads, capacity, width = keys.shape[1], keys.shape[2], values.shape[-1]
     group = q_heads // kv_heads
     rotary = cos.shape[1]
     n = held
     dropped = 0
     most = 0
-    received = np.empty((kv_heads, keys.shape[2]), dtype=np.float32)
+    received = np.empty((kv_heads, capacity), dtype=np.float32)
     scaled = np.empty(dim, dtype=query.dtype)
-    total_out = np.empty(values.shape[-1], dtype=values.dtype)
+    summed = np.empty((group, width), dtype=values.dtype)
+    mean = np.empty(capacity, dtype=np.float64)
+    variance = np.empty(capacity, dtype=np.float64)
+    skip = np.zeros(capacity, dtype=np.bool_)
     for t in range(length):
         slot = n
         for b in range(batch):
@@ -129,11 +174,12 @@ def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, r
                 else:
                     for i in range(dim):
                         keys[b, h, slot, i] = new_keys[b, h, t, i]
-                for i in range(values.shape[-1]):
+                for i in range(width):
                     values[b, h, slot, i] = new_values[b, h, t, i]
                 positions[b, h, slot] = seen + t
                 if ranked:
-                    scores[b, h, slot] = 0.0
+                    for m in range(scores.shape[3]):
+                        scores[b, h, slot, m] = 0.0
         n += 1
         most = max(most, n)
         for b in range(batch):
@@ -162,16 +208,18 @@ def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, r
                     for j in range(n):
                         probs[head, j] = math.exp(probs[head, j] - top)
                         total += probs[head, j]
+                    inverse = 1 / total
                     for j in range(n):
-                        probs[head, j] = probs[head, j] / total
-                    for i in range(values.shape[-1]):
-                        total_out[i] = 0.0
-                    for j in range(n):
-                        p = probs[head, j]
-                        for i in range(values.shape[-1]):
-                            total_out[i] += p * values[b, h, j, i]
-                    for i in range(values.shape[-1]):
-                        out[b, t, head, i] = total_out[i]
+                        probs[head, j] *= inverse
+                summed[:, :] = 0.0
+                for j in range(n):
+                    for g in range(group):
+                        p = probs[h * group + g, j]
+                        for i in range(width):
+                            summed[g, i] += p * values[b, h, j, i]
+                for g in range(group):
+                    for i in range(width):
+                        out[b, t, h * group + g, i] = summed[g, i]
             if ranked:
                 for h in range(kv_heads):
                     for j in range(n):
@@ -190,29 +238,33 @@ def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, r
                 for h in range(kv_heads):
                     for j in range(n):
                         if latest_only:
-                            scores[b, h, j] = received[h, j]
+                            scores[b, h, j, 0] = received[h, j]
+                        elif volatile >= 0:  # and the square of what this step gave, for the variance
+                            gave = np.float64(received[h, j])
+                            scores[b, h, j, 0] += gave
+                            scores[b, h, j, 1] += gave * gave
                         elif decay != 1.0:
-                            scores[b, h, j] = scores[b, h, j] * decay + received[h, j]
+                            scores[b, h, j, 0] = scores[b, h, j, 0] * decay + received[h, j]
                         else:
-                            scores[b, h, j] += received[h, j]
+                            scores[b, h, j, 0] += received[h, j]
             if n <= budget:
                 continue
             for h in range(kv_heads):
-                drop = sinks
-                if ranked:  # the lowest score; of equal lowest, the newest
-                    lowest = scores[b, h, sinks]
-                    for j in range(sinks + 1, n - recent):
-                        if scores[b, h, j] <= lowest:
-                            lowest = scores[b, h, j]
-                            drop = j
+                if not ranked:  # the oldest entry past the sinks
+                    drop = sinks
+                elif volatile >= 0:
+                    drop = _drop_by_mean(scores[b, h], positions[b, h], n, n - recent, volatile, mean, variance,
+                                         skip)
+                else:  # the lowest score; of equal lowest, the newest
+                    drop = _lowest(scores[b, h, :, 0], sinks, n - recent, skip)
                 for j in range(drop, n - 1):
                     for i in range(dim):
                         keys[b, h, j, i] = keys[b, h, j + 1, i]
-                    for i in range(values.shape[-1]):
+                    for i in range(width):
                         values[b, h, j, i] = values[b, h, j + 1, i]
                     positions[b, h, j] = positions[b, h, j + 1]
-                    if ranked:
-                        scores[b, h, j] = scores[b, h, j + 1]
+                    for m in range(scores.shape[3]):
+                        scores[b, h, j, m] = scores[b, h, j + 1, m]
                 current[b, h] = min(current[b, h], drop)
         if n > budget:
             n -= 1

@@ -98,13 +98,17 @@ class DropOne:
 
     Scores, with `ranked`: a new entry starts at 0 and each step `score <- decay * score + received`, or
     `score <- received` with `latest_only` (the current query's attention alone); received per KV head or the
-    layer's mean, as the policy's `score_heads` says."""
+    layer's mean, as the policy's `score_heads` says. With `by_mean` (roco; `score_squares`) the scores also sum the
+    squares of what each step gave, the rank is the mean over the entry's age, and of the candidates the `volatile`
+    of highest variance (of equal variance, the older) are never dropped."""
 
     sinks: int
     recent: int
     ranked: bool
     decay: float = 1.0
     latest_only: bool = False
+    by_mean: bool = False
+    volatile: int = 0
 
 
 class EvictionPolicy(ABC):

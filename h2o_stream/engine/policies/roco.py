@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .base import EvictionPolicy, Part
+from .base import DropOne, EvictionPolicy, Part
 from .slots import ages, last_slots, top_slots
 from .registry import register
 
@@ -60,3 +60,5 @@ class RoCoPolicy(EvictionPolicy):
         kept = top_slots(ranks, self.volatile + self.heavy)
         return torch.cat([kept, last_slots(n, self.recent, positions)], dim=-1)
 
+    def drop_one(self) -> DropOne:
+        return DropOne(sinks=0, recent=self.recent, ranked=True, by_mean=True, volatile=self.volatile)
