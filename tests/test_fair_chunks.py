@@ -133,6 +133,7 @@ def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
 
 def test_default_chunk_size_is_a_sixteenth_of_the_budget_unless_a_band_makes_chunks_exact():
     assert default_chunk_size(make_policy("h2o", 256)) == 16
+    assert default_chunk_size(make_policy("roco", 512, recent=40)) == 1  # its share is 0: exact mode (compiled)
     assert default_chunk_size(make_policy("sepllm", 512, tokenizer=TOKENIZER)) == 32
     assert default_chunk_size(make_policy("h2o", 15)) == 1
     assert default_chunk_size(make_policy("sink", 128)) == 256
@@ -143,8 +144,7 @@ def test_a_default_chunk_never_shields_more_than_the_recent_window_would():
     """A chunk's own tokens escape every cut until it ends; exact mode spares only the last `recent` entries. So the
     default chunk is at most the largest power of two up to recent + 1: tova (no window) runs exact mode."""
     assert default_chunk_size(make_policy("tova", 512)) == 1
-    assert default_chunk_size(make_policy("roco", 256)) == 8  # recent 10
-    assert default_chunk_size(make_policy("roco", 512, recent=40)) == 32  # 41 -> 32, the sixteenth of 512
+    assert default_chunk_size(make_policy("keydiff", 512, recent=40)) == 32  # 41 -> 32, the sixteenth of 512
     assert default_chunk_size(make_policy("h2o", 256, recent=7)) == 8
     assert default_chunk_size(make_policy("h2o", 256, recent=6)) == 4
     assert default_chunk_size(make_policy("keydiff", 256, recent=0)) == 1

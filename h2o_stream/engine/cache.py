@@ -52,7 +52,8 @@ def default_chunk_size(policy: EvictionPolicy) -> int:
     mode shields only the recent window: a chunk up to the window + 1 wide holds no token exact mode could already
     have cut. Wider, it flatters policies with a small window (roco, window 10: 2.1% below exact mode at C = 16, 0.4%
     at C = 8) and most of all tova, which has none (1.2% below at C = 16 over 20k tokens, 5.0% over 60k): tova's
-    default is exact mode. Measured in eval/results/fair_chunks.json."""
+    default is exact mode. Measured in eval/results/fair_chunks.json. A share of 0 makes exact mode the default
+    (roco: its compiled exact mode runs faster than its chunks of 8 did, eval/results/compiled/)."""
     if policy.budget is None or policy.band() is not None:
         return BAND_CHUNK
     shielded = 1 << (policy.split().get("recent", 0) + 1).bit_length() - 1  # largest power of two <= recent + 1
