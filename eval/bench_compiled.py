@@ -18,6 +18,7 @@ import os
 import statistics
 
 import click
+import matplotlib.ticker
 import torch
 from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, time_chunks
 from common import write_json
@@ -104,16 +105,26 @@ def plot(report: dict, path: str) -> None:
     for ax, count in zip(axes, counts):
         speed = report["threads"][count]["tokens_per_second"]
         names = list(speed)
-        colors = ["#888888" if n.startswith("raw") else "#dd8452" if n.endswith(TENSOR_OPS) else "#4c72b0"
-                  for n in names]
-        ax.barh(names, [speed[n] for n in names], color=colors)
+        ax.barh(names, [speed[n] for n in names], color=[_color(n) for n in names])
+        for i, n in enumerate(names):
+            ax.text(speed[n], i, f" {speed[n]:.0f}", va="center", fontsize=6)
         ax.set_xscale("log")
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
         ax.invert_yaxis()
-        ax.set_xlabel("tokens / second (log scale); orange: tensor operations, blue: compiled")
+        ax.set_xlabel("tokens / second (log scale)")
         ax.set_title(f"{count} thread(s)", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
-    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, exact mode compiled vs tensor "
-                           f"operations, forwards of {report['span']}")
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, forwards of {report['span']}\nblue: "
+                           "exact mode compiled, orange: exact mode on tensor operations, green: chunks, grey: raw")
+
+
+def _color(name: str) -> str:
+    if name.startswith("raw"):
+        return "#888888"
+    if name.endswith(TENSOR_OPS):
+        return "#dd8452"
+    return "#55a868" if " chunk " in name else "#4c72b0"
 
 
 if __name__ == "__main__":

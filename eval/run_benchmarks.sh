@@ -148,3 +148,19 @@ wait
 h2o-stream ppl "${LONG[@]}" --cache-size 256 --policy h2o,sink --tokens "${LONG_256_TOKENS:-1048576}"
 h2o-stream ppl "${LONG[@]}" --cache-size 128,512 --policy h2o,sink --tokens "${LONG_OTHER_TOKENS:-350000}"  # ppl.png
 python eval/long_run_report.py eval/results/pg19_long --window 50000   # figure5.png + report.json over all six runs
+# Exact mode compiled (engine/compiled.py, 2026-12-02), each measured alone: exact mode scanned and one token per
+# forward, compiled and on tensor operations, against the raw forwards; decode and chat against the raw decode step;
+# fair chunks forward by forward against their raw twins (tova and roco, exact mode by default: one token per
+# forward against the raw decode step, shorter rounds)
+python eval/bench_compiled.py --data "$DATA" --rounds 3 --out eval/results/compiled/bench_compiled.json
+for threads in 2 1; do
+    suffix=$([ "$threads" = 1 ] && echo 1thread || echo 2threads)
+    python eval/bench_exact.py --threads "$threads" --block 4 --rounds 32 \
+        --policies h2o,sink,window,full,tova,roco,chat --out "eval/results/compiled/bench_exact_$suffix.json"
+done
+python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 96 --alternate forwards \
+    --policies tova,roco --out eval/results/compiled/fair_chunks_paired_exact.json
+python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 512 --alternate forwards \
+    --policies h2o,sink,window,a2sf,h2o_sinks,sepllm,keydiff --out eval/results/compiled/fair_chunks_paired_chunked.json
+# roco's leaderboard runs again at its new default (exact mode); its chunk-8 runs moved to leaderboard/roco_chunk8/
+h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/results/leaderboard
