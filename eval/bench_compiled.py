@@ -20,7 +20,7 @@ import statistics
 import click
 import matplotlib.ticker
 import torch
-from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, time_chunks
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, race, save_figure
 from common import write_json
 from transformers import DynamicCache
 
@@ -70,19 +70,7 @@ def main(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
               "data": data, "cache_size": cache_size, "span": span, "environment": environment(), "threads": {}}
     for count in [int(t) for t in threads.split(",")]:
         torch.set_num_threads(count)
-        caches = {}
-        with torch.no_grad():
-            for name, (make, *_rest) in contenders.items():
-                caches[name] = make()
-                model(prefix.unsqueeze(0), cache=caches[name])
-        seconds = {name: [] for name in contenders}
-        for r in range(rounds):
-            for name, (_, width, crop, count_tokens) in contenders.items():
-                block = timed[r * tokens:r * tokens + count_tokens]
-                os.environ["H2O_STREAM_COMPILED"] = "0" if name.endswith(TENSOR_OPS) else "1"
-                with torch.inference_mode() if name.endswith("inference mode") else contextlib.nullcontext():
-                    seconds[name].append(time_chunks(model, caches[name], block, width, crop=crop))
-        os.environ.pop("H2O_STREAM_COMPILED")
+        seconds = race(model, contenders, prefix, timed, rounds, tokens, context=_context)
         speed = {name: 1 / statistics.median(v) for name, v in seconds.items()}
         report["threads"][str(count)] = {
             "tokens_per_second": speed, "seconds_per_token_per_round": seconds,
@@ -96,6 +84,18 @@ def main(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
                   f"({value / speed['raw decode step, inference mode']:.2f}x in inference mode)", flush=True)
     write_json(out, report)
     plot(report, out.replace(".json", ".png"))
+
+
+@contextlib.contextmanager
+def _context(name: str):
+    """A contender's round: the compiled loop off for the tensor-operation ones, the raw step's twin in inference
+    mode."""
+    os.environ["H2O_STREAM_COMPILED"] = "0" if name.endswith(TENSOR_OPS) else "1"
+    try:
+        with torch.inference_mode() if name.endswith("inference mode") else contextlib.nullcontext():
+            yield
+    finally:
+        os.environ.pop("H2O_STREAM_COMPILED")
 
 
 def plot(report: dict, path: str) -> None:

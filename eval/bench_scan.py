@@ -15,7 +15,7 @@ import statistics
 
 import click
 import torch
-from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, save_figure, time_chunks
+from common import corpus_tokens, data_option, environment, main_or_replot, new_figure, race, save_figure
 from common import write_json
 from transformers import DynamicCache
 
@@ -62,16 +62,7 @@ def main(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
               "cache_size": cache_size, "span": span, "environment": environment(), "threads": {}}
     for count in [int(t) for t in threads.split(",")]:
         torch.set_num_threads(count)
-        caches = {}
-        with torch.no_grad():
-            for name, (make, *_rest) in contenders.items():
-                caches[name] = make()
-                model(prefix.unsqueeze(0), cache=caches[name])
-        seconds = {name: [] for name in contenders}
-        for r in range(rounds):
-            for name, (_, width, crop, count_tokens) in contenders.items():
-                block = timed[r * tokens:r * tokens + count_tokens]
-                seconds[name].append(time_chunks(model, caches[name], block, width, crop=crop))
+        seconds = race(model, contenders, prefix, timed, rounds, tokens)
         speed = {name: 1 / statistics.median(v) for name, v in seconds.items()}
         report["threads"][str(count)] = {"tokens_per_second": speed,
                                          "vs_raw_forward": {n: s / speed["raw forward"] for n, s in speed.items()},

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import subprocess
@@ -59,6 +60,25 @@ def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> f
         if crop:
             cache.crop(-piece.numel())
     return (time.perf_counter() - started) / stream.numel()
+
+
+def race(model, contenders: dict, prefix: torch.Tensor, timed: torch.Tensor, rounds: int, tokens: int,
+         context=lambda name: contextlib.nullcontext()) -> dict[str, list[float]]:
+    """Seconds per token of each contender over `rounds` rounds that alternate between them, each cache first
+    filled with `prefix`. `contenders` maps a name to (make a cache, tokens per forward, crop back (a raw
+    DynamicCache), tokens per round); round r reads `timed` from r * tokens on, under `context(name)`."""
+    caches = {}
+    with torch.no_grad():
+        for name, (make, *_rest) in contenders.items():
+            caches[name] = make()
+            model(prefix.unsqueeze(0), cache=caches[name])
+    seconds = {name: [] for name in contenders}
+    for r in range(rounds):
+        for name, (_, width, crop, count_tokens) in contenders.items():
+            block = timed[r * tokens:r * tokens + count_tokens]
+            with context(name):
+                seconds[name].append(time_chunks(model, caches[name], block, width, crop=crop))
+    return seconds
 
 
 def new_figure(*subplots: int, size: tuple[float, float]):

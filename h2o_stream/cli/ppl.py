@@ -23,7 +23,8 @@ from .options import (cache_options, checkpoint_option, command_argv, data_optio
 @click.option("--chunk-size", type=int, default=None,
               help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
                    "exact mode), a sixteenth of the cache size for the other policies, but at most the largest power "
-                   "of two up to their recent window + 1 (a chunk shields its own tokens from cuts: roco 8, tova 1).")
+                   "of two up to their recent window + 1 (a chunk shields its own tokens from cuts: tova 1); roco "
+                   "runs exact mode (1), compiled.")
 @click.option("--exact", is_flag=True,
               help="Token-by-token reference mode (chunk size 1: the cache decides after every token).")
 @click.option("--span", type=int, default=None,
