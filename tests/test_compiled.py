@@ -3,6 +3,8 @@ declares its one-entry cut (`EvictionPolicy.drop_one`), and the forwards that ta
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from oracle import run_against_oracle
@@ -230,6 +232,25 @@ def test_a_cache_loaded_from_a_snapshot_goes_on_as_the_original(calls):
             theirs = model(ids[:, t:t + 1], cache=copy).logits
             assert torch.equal(mine, theirs)
     _same_caches(original, copy, atol=0)
+    assert calls[0] > 0
+
+
+def test_a_deep_copy_goes_on_as_the_original(calls):
+    """copy.deepcopy of a cache between compiled forwards (a user's fork): the copy and the original go on as a cache
+    never copied, in what they return and in what they hold."""
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(6 * BUDGET, seed=3)
+    reference, original = (StreamingCache(model, make_policy("h2o", BUDGET)) for _ in range(2))
+    for t in range(3 * BUDGET):
+        model(ids[:, t:t + 1], cache=reference)
+        model(ids[:, t:t + 1], cache=original)
+    fork = copy.deepcopy(original)
+    for t in range(3 * BUDGET, ids.shape[1]):
+        expected = model(ids[:, t:t + 1], cache=reference).logits
+        for cache in (original, fork):
+            assert torch.equal(model(ids[:, t:t + 1], cache=cache).logits, expected)
+    for cache in (original, fork):
+        _same_caches(cache, reference, atol=0)
     assert calls[0] > 0
 
 

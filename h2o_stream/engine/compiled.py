@@ -65,7 +65,11 @@ class Workspace:
 
     def holds(self, keys: torch.Tensor) -> bool:
         """Whether the layer's keys are this workspace's view (nothing else has replaced them since)."""
-        return bool(self.views) and self.views[0] is keys
+        if not (self.views and self.views[0] is keys):
+            return False
+        if self.arrays[0].ctypes.data != self.keys.data_ptr():  # copied (deepcopy): numpy views copy apart
+            self.__post_init__()
+        return True
 
     def hand_out(self, held: int, with_scores: bool) -> tuple:
         """Views of the first `held` slots: (keys, values, positions, scores or None); remembered for `holds`."""
