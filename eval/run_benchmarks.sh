@@ -164,3 +164,6 @@ python eval/fair_chunks.py --data "$DATA" --threads 2 --rounds 5 --round-tokens 
     --policies h2o,sink,window,a2sf,h2o_sinks,sepllm,keydiff --out eval/results/compiled/fair_chunks_paired_chunked.json
 # roco's leaderboard runs again at its new default (exact mode); its chunk-8 runs moved to leaderboard/roco_chunk8/
 h2o-stream leaderboard --data "$DATA" --tokens 250000 --workers 2 --out eval/results/leaderboard
+python eval/needle.py --policies roco --lengths 1024,2048 --trials 3 --data "$DATA" \
+    --out eval/results/needle_roco_exact  # roco in exact mode, its default since the compiled loop
+python eval/bench_peak.py --out eval/results/compiled/bench_peak.json  # the fp32 products' ceiling on tok/s
