@@ -128,7 +128,6 @@ class StreamingCache(Cache):
                                  "are not supported")
         super().__init__(layers=[StreamingLayer(policy, roller) for _ in range(config.num_hidden_layers)])
         self.policy = policy
-        self._drop_one = policy.drop_one()
         self.rolling = rolling
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
         self.fair = not wide_chunks and policy.band() is None and budget is not None
@@ -288,7 +287,7 @@ class StreamingCache(Cache):
         blocks of one, with gradients off, for a policy that declares its one-entry cut (`drop_one`). Its attention
         may still decline (device, dtype: `StreamingLayer.compiles`) and take the blocks one by one."""
         one_token_steps = blocks is None and length == 1 or blocks is not None and max(blocks) == 1
-        return (one_token_steps and self._drop_one is not None and not torch.is_grad_enabled()
+        return (one_token_steps and self.layers[0].drop_rule is not None and not torch.is_grad_enabled()
                 and compiled_loop() is not None)
 
     def _slots_of(self, length: int, blocks: list[int] | None) -> tuple[int, list[int] | None]:

@@ -18,7 +18,7 @@ then cached on disk); without numba, or with H2O_STREAM_COMPILED=0, exact mode r
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numba
 import numpy as np
@@ -41,8 +41,8 @@ class Workspace:
     scores: torch.Tensor  # (batch, kv_heads, capacity, moments): moments 1, or 2 with the squares
     rotated: torch.Tensor
     current: torch.Tensor
-    views: tuple = ()
-    arrays: tuple = ()  # numpy views of the six above, made once
+    views: tuple = field(default=(), init=False)  # what `hand_out` last gave the layer
+    arrays: tuple = field(default=(), init=False)  # numpy views of the six above, made once
 
     def __post_init__(self):
         self.arrays = tuple(t.numpy() for t in (self.keys, self.values, self.positions, self.scores, self.rotated,

@@ -49,7 +49,8 @@ class StreamingLayer(CacheLayerMixin):
         self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
         self._block_is_last = True  # whether the block now attending is the last of the scanned forward
         self.compiled = False  # whether that forward's blocks are exact mode's steps for the compiled loop
-        self._workspace = None  # the compiled loop's storage (engine/compiled.py), while the layer's tensors are its
+        self._workspace = None  # the compiled loop's storage (engine/compiled.py); the layer's tensors view it
+        self.drop_rule = policy.drop_one()  # how exact mode's one-entry cut is made, if the loop can make it
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -120,7 +121,7 @@ class StreamingLayer(CacheLayerMixin):
         keys, values = self._incoming
         output, held, dropped, most = compiled.exact_steps(
             space, self.slots, query, keys, values, tables, scaling=scaling, seen=self.seen, budget=budget,
-            rule=self.policy.drop_one(), layer_mean=self.policy.score_heads == "layer")
+            rule=self.drop_rule, layer_mean=self.policy.score_heads == "layer")
         self.keys, self.values, self.positions, self.scores = space.hand_out(held, self.scores is not None)
         self.seen += keys.shape[-2]
         self.evicted += dropped

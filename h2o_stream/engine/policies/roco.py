@@ -10,10 +10,9 @@ paper's robustness measure narrows the eviction scope to the steadier entries), 
 the highest mean attention. Ties go to the older entry. Variance is ranked as it is, not its square root as the
 official code does: the same order, without a NaN where rounding makes it slightly negative.
 
-Default split: the official code's: the 10 newest entries, 0.3 of the cache volatile, the rest heavy. Default mode:
-exact (one token per decision). In its decode
+Default split: the official code's: the 10 newest entries, 0.3 of the cache volatile, the rest heavy. In its decode
 loop the 0.3 also covers those 10 newest and the step's new entry, so it keeps 9 volatile slots fewer (e.g. at 256:
-recent 10, volatile 67, heavy 179); `--volatile 67` gives that split.
+recent 10, volatile 67, heavy 179); `--volatile 67` gives that split. Default mode: exact (one token per decision).
 """
 
 from __future__ import annotations
