@@ -33,7 +33,7 @@ def no_model_load(monkeypatch):
     monkeypatch.setattr(h2o_stream.loading.models, "load_model", refuse)
 
 
-# -- item 10: one run per --out ----------------------------------------------------------------------------------
+# -- one run per --out ----------------------------------------------------------------------------------
 
 def test_a_second_run_into_a_held_directory_names_the_holder(base, tmp_path, capsys, no_model_load):
     out = tmp_path / "out"
@@ -49,7 +49,7 @@ def test_the_lock_is_released_after_a_run(base, tmp_path, capsys):
         pass
 
 
-# -- item 11: an unusable --out fails before the model loads; a full disk keeps the last good checkpoint ----------
+# -- an unusable --out fails before the model loads; a full disk keeps the last good checkpoint ----------
 
 def read_only_directory(tmp_path) -> Path:
     """A directory this process cannot write into (root ignores permission bits; /sys refuses even root)."""
@@ -94,7 +94,7 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_partial_file(b
     assert result(out, "h2o-16")["tokens_fed"] == 600
 
 
-# -- item 13: reports cover every run in --out and never silently replace another call's ---------------------------
+# -- reports cover every run in --out and never silently replace another call's ---------------------------
 
 def test_reports_cover_every_run_in_the_directory(base, tmp_path, capsys):
     out = tmp_path / "out"

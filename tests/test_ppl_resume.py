@@ -3,14 +3,20 @@ for any --tokens / --checkpoint-every, and a stream with nothing to predict is a
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import random
+import shlex
 
 import pytest
+import torch
 from ppl_helpers import TEXT, ppl, ppl_error, ppl_model_dir, result, snapshot, write_corpus  # noqa: F401
 from tiny_models import char_tokenizer, tiny_model
 
-from h2o_stream import make_policy
+from h2o_stream import H2OStreamError, make_policy
+from h2o_stream.apps.perplexity.binding import Plan, check_stream
+from h2o_stream.apps.perplexity.digest import StreamDigest
 from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION, PerplexityRun, token_pieces
 from h2o_stream.apps.perplexity.sweep import execute
 from h2o_stream.files import write_json, write_verified
@@ -31,14 +37,14 @@ def finished(ppl_model_dir, corpus, tmp_path, capsys):
     return args, out
 
 
-# -- item 3: a run is bound to its corpus, model, dtype and settings ------------------------------------------------
+# -- a run is bound to its corpus, model, dtype and settings ------------------------------------------------
 
 def test_resume_refuses_another_corpus_under_the_same_name(finished, corpus, capsys):
     args, out = finished
     before = snapshot(out)
     write_corpus(corpus, books=2, text=TEXT.upper())  # another corpus, same file name
     message = ppl_error(capsys, *args, "--tokens", 600, "--resume")
-    assert "is not the corpus h2o-16's checkpoint was made from" in message
+    assert "the corpus is another text" in message and "data_sha256" in message
     assert snapshot(out) == before
 
 
@@ -47,20 +53,43 @@ def test_resume_refuses_a_corpus_edited_in_place(finished, corpus, capsys):
     before = snapshot(out)
     text = corpus.read_text()
     corpus.write_text(text.replace("worst", "wurst", 1))  # same size, one letter inside the fed tokens
-    assert "tokens it fed differ" in ppl_error(capsys, *args, "--tokens", 600, "--resume")
+    assert "the corpus is another text" in ppl_error(capsys, *args, "--tokens", 600, "--resume")
     assert snapshot(out) == before
     corpus.write_text(text)  # the original again: resumes
     assert ppl(capsys, *args, "--tokens", 600, "--resume")[0] == 0
 
 
-def test_resume_refuses_a_corpus_at_another_path(finished, corpus, tmp_path, capsys):
+def test_a_checkpoint_is_checked_against_the_tokens_it_fed():
+    # the guard for a corpus read from the Hub, which has no local bytes to digest: the fed tokens themselves
+    book = torch.arange(40)
+    fed = StreamDigest()
+    fed.update(0, book[:24])
+    checkpoint = Plan("h2o-16", position=24, stream_digest=fed.hexdigest())
+    assert check_stream([(0, book)], [checkpoint], tokens=40, reset_per_book=False, source="pg19", skip_tokens=0) == 40
+    edited = book.clone()
+    edited[10] += 1
+    with pytest.raises(H2OStreamError, match="tokens it fed differ"):
+        check_stream([(0, edited)], [checkpoint], tokens=40, reset_per_book=False, source="pg19", skip_tokens=0)
+
+
+def test_the_same_corpus_at_another_path_resumes(finished, corpus, tmp_path, capsys):
+    # a run is bound to its text (size and sha256), not to where it lies: a copy elsewhere continues it
     args, out = finished
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     moved = elsewhere / corpus.name
     moved.write_bytes(corpus.read_bytes())
     args = [str(moved) if a == corpus else a for a in args]
-    assert "data_path" in ppl_error(capsys, *args, "--tokens", 600, "--resume")
+    assert ppl(capsys, *args, "--tokens", 600, "--resume")[0] == 0
+    assert result(out, "h2o-16")["tokens_fed"] == 600
+
+
+def test_resume_refuses_another_text_under_the_same_path_even_past_the_fed_tokens(finished, corpus, capsys):
+    args, out = finished
+    before = snapshot(out)
+    corpus.write_text(corpus.read_text() + " One sentence more at the very end.")
+    assert "data_sha256" in ppl_error(capsys, *args, "--tokens", 600, "--resume")
+    assert snapshot(out) == before
 
 
 def test_resume_with_another_dtype_is_one_error_line_and_changes_nothing(finished, capsys):
@@ -76,11 +105,14 @@ def test_results_record_what_they_are_bound_to(finished, corpus):
     done = result(out, "h2o-16")
     settings = done["settings"]
     assert settings["dtype"] == "float32" and settings["device"] == "cpu" and len(settings["model_weights"]) == 16
-    assert settings["data_path"] == str(corpus.resolve()) and settings["curve_every"] == 1000
+    assert settings["data_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest() and settings["curve_every"] == 1000
+    assert settings["data_bytes"] == corpus.stat().st_size and "data_path" not in settings
+    assert done["data_path"] == os.path.relpath(corpus.resolve())  # where it was read, relative, outside the binding
+    assert not any(os.path.isabs(word) for word in shlex.split(done["command"]))
     assert len(done["stream_sha256"]) == 64
 
 
-# -- item 4: a finished run is never replaced by a shorter one ------------------------------------------------------
+# -- a finished run is never replaced by a shorter one ------------------------------------------------------
 
 def test_resume_with_fewer_tokens_refuses_and_keeps_the_finished_result(finished, capsys):
     args, out = finished
@@ -92,7 +124,7 @@ def test_resume_with_fewer_tokens_refuses_and_keeps_the_finished_result(finished
     assert result(out, "h2o-16")["tokens_fed"] == 300
 
 
-# -- item 5: extending a run equals one uninterrupted run, for any --tokens and --checkpoint-every -------------------
+# -- extending a run equals one uninterrupted run, for any --tokens and --checkpoint-every -------------------
 
 @pytest.fixture(scope="module")
 def tiny_lm():
@@ -114,8 +146,8 @@ def test_extending_equals_one_run_for_any_tokens_and_checkpoint_pace(tiny_lm, po
     books, total = [TEXT[:150], TEXT[:200]], 320
     whole = extend(tiny_lm, policy, books, tmp_path / "whole.ckpt", total, 10**6)
     rng = random.Random(5)
-    # (--tokens of the first call, of a second one (or None), --checkpoint-every); the first case is the issue's
-    # pattern (a checkpoint due right after a last chunk cut short), the others are drawn
+    # (--tokens of the first call, of a second one (or None), --checkpoint-every); the first case is the pattern
+    # that once lost tokens (a checkpoint due right after a last chunk cut short), the others are drawn
     cases = [(100, None, 4)] + [(rng.randrange(20, 310), None, rng.choice([1, 7, 16, 50, 1000])) for _ in range(5)]
     cases += [(45, 230, 3), (151, 152, 1)]  # extended twice; the second time across a book boundary
     for i, (first, second, every) in enumerate(cases if policy == "h2o" else cases[:3]):  # sink: fewer, it is slower
@@ -150,7 +182,7 @@ def test_memory_is_sampled_within_each_process_of_a_resumed_run(tiny_lm, tmp_pat
     write_verified(checkpoint, CHECKPOINT_KIND, CHECKPOINT_VERSION, state)
     assert extend(tiny_lm, "h2o", books, checkpoint, 330, 16, span=16).process_starts == [320]
 
-# -- item 8: nothing to predict is an error, and no JSON file ever holds NaN ----------------------------------------
+# -- nothing to predict is an error, and no JSON file ever holds NaN ----------------------------------------
 
 def test_skip_tokens_past_the_end_is_an_error_and_writes_nothing(ppl_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "out"

@@ -9,6 +9,7 @@ raises `H2OStreamError` with one line saying what is wrong and what to do.
 from __future__ import annotations
 
 import gzip
+import hashlib
 import itertools
 import json
 import os
@@ -49,6 +50,33 @@ def iter_books(source: str | os.PathLike | None) -> Iterator[Book]:
     if not path.is_dir():
         yield from _file_books(path)
         return
+    for file in _directory_files(path):
+        yield from _file_books(file)
+
+
+def corpus_digest(source: str | os.PathLike | None) -> tuple[int, str] | None:
+    """(bytes, sha256) of what `source` reads: a file's bytes, or for a directory the names and bytes of every file
+    `iter_books` reads there, in its order; None for the Hub's split, which is not read as local bytes. What a
+    result records of its corpus, so that a run is bound to its text and not to where that text lies."""
+    if source is None:
+        return None
+    path = SAMPLE_FILE if _is_sample(source) else _local_path(source)
+    if not path.exists():
+        raise H2OStreamError(f"no such file or directory: {path} ({_FORMATS})")
+    files = _directory_files(path) if path.is_dir() else [path]
+    sha, size = hashlib.sha256(), 0
+    for file in files:
+        if path.is_dir():
+            sha.update(f"{file.relative_to(path).as_posix()}\0{file.stat().st_size}\0".encode())
+        with open(file, "rb") as stream:
+            for block in iter(lambda: stream.read(1 << 20), b""):
+                sha.update(block)
+                size += len(block)
+    return size, sha.hexdigest()
+
+
+def _directory_files(path: Path) -> list[Path]:
+    """The files of directory `path` that make its corpus, in reading order (hidden ones left out)."""
     files = sorted(
         (p for p in path.rglob("*") if p.name.lower().endswith(LOCAL_SUFFIXES) and p.is_file()
          and not any(part.startswith(".") for part in p.relative_to(path).parts)),
@@ -56,8 +84,7 @@ def iter_books(source: str | os.PathLike | None) -> Iterator[Book]:
     )
     if not files:
         raise H2OStreamError(f"no usable files in {path} (looked for {', '.join(LOCAL_SUFFIXES)})")
-    for file in files:
-        yield from _file_books(file)
+    return files
 
 
 def book_token_ids(book: Book, tokenizer) -> list[int]:

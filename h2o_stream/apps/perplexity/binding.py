@@ -1,7 +1,7 @@
 """What binds a run to its model, data and settings, checked for every run of a sweep before the first one starts.
 
 - The settings a run compares on --resume (and records in its result) include the model's name and a fingerprint of
-  its weights, dtype, device, the corpus (its description and where it was read from), --skip-tokens and
+  its weights, dtype, device, the corpus (its description, size and sha256), --skip-tokens and
   --curve-every, besides the policy, chunk size, rolling and reset-per-book that `PerplexityRun` adds.
 - A checkpoint carries a digest of the tokens it fed (`StreamDigest`); `check_stream` reads the corpus once, up to
   the furthest checkpoint, and refuses a corpus whose first tokens differ (another corpus under the same name, a file
@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +22,7 @@ from pathlib import Path
 import torch
 
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading.corpus import corpus_digest
 
 from .digest import StreamDigest
 from .run import PerplexityRun, settings_difference
@@ -37,11 +39,29 @@ def model_fingerprint(model) -> str:
     return sha.hexdigest()[:16]
 
 
+def corpus_settings(source: str | os.PathLike | None) -> dict:
+    """What binds a run to its corpus: the corpus's size and sha256 (see `corpus_digest`), not where it lies, so that
+    the same text at another path (another machine, a fresh clone) continues a run, and another text never does."""
+    digest = corpus_digest(source)
+    return {"data_bytes": digest and digest[0], "data_sha256": digest and digest[1]}
+
+
 def data_path(source: str | os.PathLike | None) -> str | None:
-    """Where a corpus is read from, for binding: an absolute path, or 'sample' / None (the Hub) as given."""
+    """Where a corpus was read from, as a result records it: 'sample' or None (the Hub) as given, else the path
+    relative to the current directory (an absolute path means nothing on another machine)."""
     if source is None or os.fspath(source) == "sample":
         return None if source is None else "sample"
-    return str(Path(source).expanduser().resolve())
+    return os.path.relpath(Path(source).expanduser().resolve())
+
+
+def portable_command(command: str) -> str:
+    """`command` with every absolute path in it (an argument, or an option's `=value`) made relative to the current
+    directory, for result files that are read on other machines."""
+    def relative(argument: str) -> str:
+        option, equals, value = argument.rpartition("=") if argument.startswith("-") else ("", "", argument)
+        return option + equals + (os.path.relpath(value) if os.path.isabs(value) else value)
+
+    return shlex.join(relative(argument) for argument in shlex.split(command))
 
 
 @dataclass

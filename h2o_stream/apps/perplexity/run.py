@@ -288,7 +288,11 @@ def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int |
 def settings_difference(saved: dict, current: dict) -> str:
     """"key: saved → current" for every setting that differs, e.g. "dtype: 'float32' → 'bfloat16'"."""
     differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
-    return ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in differ)
+    listed = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in differ)
+    if "data_sha256" in differ:  # the one difference a user may not see at a glance: say what it means
+        return ("the corpus is another text: another corpus under the same name or one edited since would mix two "
+                f"streams in one result; {listed}")
+    return listed
 
 
 def skip_tokens_of(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:

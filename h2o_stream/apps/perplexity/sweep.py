@@ -3,7 +3,8 @@
 Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result), `ppl.png` and `summary.json`
 (both over every run result in the directory, not only this call's). A result is `PerplexityResult.to_json()` plus
 `requested_tokens`, `corpus_exhausted` (the corpus ended first), `stream_sha256` (digest of the tokens fed),
-`versions` (h2o_stream, torch, transformers, python, threads) and `command`. Its `rss_samples` are (stream position,
+`data_path` (the corpus's path relative to where the command ran; its size and sha256 are in `settings`), `versions`
+(h2o_stream, torch, transformers, python, threads) and `command` (absolute paths in it made relative). Its `rss_samples` are (stream position,
 resident bytes) at doublings of the position and of the tokens the current process fed, and at the end;
 `process_starts` says where each of the run's processes began (a resumed run's memory is comparable within one).
 
@@ -29,7 +30,7 @@ from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
 from h2o_stream.version import __version__
-from .binding import check_stream, data_path, model_fingerprint, plan
+from .binding import check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
 from .interrupt import Interrupted, StopRequest
 from .report import plot_curves, results_in, title_of
 from .rows import RunRows
@@ -102,7 +103,7 @@ class Sweep:
         source = describe_source(self.data)
         base = {"model": model_name, "model_weights": model_fingerprint(model),
                 "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type, "data": source,
-                "data_path": data_path(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
+                **corpus_settings(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
 
         def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
             return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
@@ -195,7 +196,7 @@ class Sweep:
     def _finish(self, name: str, run: PerplexityRun, rows: int, note) -> None:
         if not run.predicted:  # check_stream makes this unreachable; never write a NaN result
             raise H2OStreamError(f"{name} had nothing to predict")
-        result = result_record(run, self.tokens, self.command)
+        result = result_record(run, self.tokens, self.command, data_path(self.data))
         result["rows"] = rows
         if result["corpus_exhausted"]:
             note(f"   {name}: the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
@@ -286,14 +287,16 @@ def write(path: Path, writer: Callable[[Path], None]) -> None:
         raise H2OStreamError(f"could not write {path}: {error.strerror or error}; the previous file is kept") from None
 
 
-def result_record(run: PerplexityRun, requested_tokens: int, command: str) -> dict:
-    """The result file's content for `run` (see the module docstring for the schema)."""
+def result_record(run: PerplexityRun, requested_tokens: int, command: str, corpus_path: str | None = None) -> dict:
+    """The result file's content for `run` (see the module docstring for the schema); the command and the corpus's
+    path are recorded relative to the current directory."""
     result = run.result().to_json()
     result["requested_tokens"] = requested_tokens
     result["corpus_exhausted"] = run.position < requested_tokens
     result["stream_sha256"] = run.digest.hexdigest()
+    result["data_path"] = corpus_path
     result["versions"] = versions()
-    result["command"] = command
+    result["command"] = portable_command(command)
     return result
 
 
