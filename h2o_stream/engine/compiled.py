@@ -18,6 +18,7 @@ then cached on disk); without numba, or with H2O_STREAM_COMPILED=0, exact mode r
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import numba
@@ -97,7 +98,7 @@ def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, sca
         cos = sin_rh = ucos = usin_rh = _NO_TABLE
     else:
         cos, sin_rh, ucos, usin_rh = (t.numpy() for t in tables)
-    held, dropped, most = _exact_steps(
+    held, dropped, most = _run_loop(
         query.contiguous().numpy(), keys.contiguous().numpy(), values.contiguous().numpy(), *space.arrays,
         out.numpy(), probs, cos, sin_rh, ucos, usin_rh, tables is not None, held, seen, budget, scaling, rule.sinks,
         rule.recent, rule.ranked, rule.decay, rule.latest_only, rule.volatile if rule.by_mean else -1, layer_mean)
@@ -105,6 +106,41 @@ def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, sca
 
 
 _NO_TABLE = np.zeros((1, 0), dtype=np.float32)
+
+
+def _run_loop(*args):
+    """`_exact_steps(*args)`, recovering once from a damaged cache on disk: numba keeps the compiled loop in an index
+    and data files beside the module (or under NUMBA_CACHE_DIR), and a garbage, truncated or emptied file there fails
+    every later load (an UnpicklingError, EOFError, an LLVM error). The index is cleared, the loop compiled afresh
+    and the new one cached, with one warning; an error that comes back after that is the loop's own and is raised."""
+    global _cache_cleared
+    try:
+        return _exact_steps(*args)
+    except Exception as error:
+        if _cache_cleared:
+            raise
+        _cache_cleared = True
+        _clear_cache()
+        result = _exact_steps(*args)
+        # one line, not pointing into this module: the damage is the disk's, not the caller's code
+        warnings.warn_explicit(f"the compiled exact-mode loop's cache on disk could not be read "
+                               f"({type(error).__name__}: {str(error)[:120]}); it was cleared and the loop compiled "
+                               "afresh", RuntimeWarning, filename="h2o-stream", lineno=0)
+        return result
+
+
+_cache_cleared = False  # one recovery per process: a second failure is not the cache's
+
+
+def _clear_cache() -> None:
+    """Empty the loop's index on disk (its data files are then never read), or stop caching where it cannot be
+    written."""
+    try:
+        _exact_steps._cache.flush()
+    except OSError:
+        from numba.core.caching import NullCache
+
+        _exact_steps._cache = NullCache()
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)  # a call per key, not inlined, doubled the step's time
