@@ -271,9 +271,10 @@ def test_read_book_refuses_an_unclear_choice(tmp_path, book, message):
 
 
 def test_read_book_refuses_an_empty_book(tmp_path):
-    path = write_jsonl(tmp_path / "z.jsonl", [{"short_book_title": "Z", "text": "  "}])
+    path = write_jsonl(tmp_path / "z.jsonl", [{"short_book_title": "Z", "text": "  "},
+                                              {"short_book_title": "A", "text": "a book"}])
     with pytest.raises(H2OStreamError, match=r"book 0 \('Z'\) of .*z\.jsonl is empty"):
-        read_book(path)
+        read_book(path, "Z")
 
 
 # --- the Hub (the datasets.load_dataset boundary, mocked) --------------------------------------------
@@ -367,3 +368,38 @@ def test_book_token_ids_adds_bos_without_truncation_or_length_warning():
     assert ids == [0, 2, 3, 4, 2, 3, 1]  # BOS first, all 6 words although model_max_length is 4
     assert all(type(i) is int for i in ids)
     assert not [r for r in records if "longer than" in r.getMessage()]
+
+
+def test_a_damaged_parquet_data_page_is_one_clear_error(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "books.parquet"
+    pq.write_table(pa.table({"text": ["alpha " * 2000, "beta " * 2000]}), path, compression="snappy")
+    data = bytearray(path.read_bytes())
+    for i in range(40, 200):  # inside the first data page; the footer (schema, row counts) stays readable
+        data[i] ^= 0x5A
+    path.write_bytes(bytes(data))
+    with pytest.raises(H2OStreamError, match=r"books.parquet is damaged: row group 0 \(after row 0\) cannot be read"):
+        list(iter_books(path))
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet"])
+def test_books_of_only_whitespace_are_refused_as_a_text_file_is(tmp_path, suffix):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def corpus(name, texts):
+        path = tmp_path / f"{name}{suffix}"
+        if suffix == ".parquet":
+            pq.write_table(pa.table({"text": texts}), path)
+        else:
+            path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
+        return path
+
+    blank = corpus("blank", [" \n\t ", "   "])
+    with pytest.raises(H2OStreamError, match=r"blank\S* is empty \(its 2 book\(s\) hold only whitespace\)"):
+        next(iter_books(blank))  # before anything is read from it
+    # a blank book among books with text is read in its place (a corpus may hold one); only an all-blank file is
+    mixed = corpus("mixed", ["  ", "a real book", " "])
+    assert [book.text for book in iter_books(mixed)] == ["  ", "a real book", " "]

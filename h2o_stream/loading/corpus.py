@@ -244,7 +244,28 @@ def _lines(path: Path, stream) -> Iterator[bytes]:
         yield line
 
 
+def _with_text(path: Path, books: Iterator[Book]) -> Iterator[Book]:
+    """`books` as they come, refused as a .txt of only whitespace is when none holds any text: a book of whitespace
+    is held back until a book with text follows (it is tiny), so nothing is read from such a file before its error."""
+    blank: list[Book] = []
+    any_text = False
+    for book in books:
+        if not book.text.strip() and not any_text:
+            blank.append(book)
+            continue
+        any_text = True
+        yield from blank
+        blank.clear()
+        yield book
+    if blank:
+        raise H2OStreamError(f"{path} is empty (its {len(blank)} book(s) hold only whitespace): there is no text in it")
+
+
 def _jsonl_books(path: Path, lines: Iterator[bytes]) -> Iterator[Book]:
+    yield from _with_text(path, _jsonl_rows(path, lines))
+
+
+def _jsonl_rows(path: Path, lines: Iterator[bytes]) -> Iterator[Book]:
     n_books = 0
     for lineno, raw in enumerate(lines, 1):  # binary lines split on b"\n" only, so line numbers match editors'
         try:
@@ -269,6 +290,10 @@ def _jsonl_books(path: Path, lines: Iterator[bytes]) -> Iterator[Book]:
 
 
 def _parquet_books(path: Path) -> Iterator[Book]:
+    yield from _with_text(path, _parquet_rows(path))
+
+
+def _parquet_rows(path: Path) -> Iterator[Book]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -287,7 +312,12 @@ def _parquet_books(path: Path) -> Iterator[Book]:
     columns = [c for c in ("short_book_title", "title", "text") if c in names]
     n = 0
     for group in range(parquet.num_row_groups):  # one row group in memory at a time
-        for batch in parquet.read_row_group(group, columns=columns).to_batches(max_chunksize=8):
+        try:
+            rows = parquet.read_row_group(group, columns=columns)
+        except (pa.ArrowException, OSError) as exc:  # a damaged data page: the footer read fine, the data does not
+            raise H2OStreamError(f"{path} is damaged: row group {group} (after row {n}) cannot be read "
+                                 f"({one_line(exc)})") from exc
+        for batch in rows.to_batches(max_chunksize=8):
             for row in batch.to_pylist():
                 n += 1
                 yield _book(row, where=f"{path} row {n}", fallback_title=f"{path.name}:{n}")
