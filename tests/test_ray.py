@@ -61,3 +61,27 @@ def test_a_signal_stops_the_tasks_at_a_checkpoint_and_resume_continues_exactly(p
     run_to_end([sys.executable, "-m", "h2o_stream", *printed[1:]])
     whole, resumed = (json.loads((tmp_path / d / "h2o-16.json").read_text()) for d in ("whole", "out"))
     assert resumed["nll_sum"] == whole["nll_sum"] and resumed["curve"] == whole["curve"]
+
+
+@pytest.mark.parametrize("address, message", [
+    ("127.0.0.1:1", "cannot reach a Ray cluster at '127.0.0.1:1'"),
+    ("ray://127.0.0.1:1", "cannot reach a Ray cluster at 'ray://127.0.0.1:1'"),
+    ("http://127.0.0.1:8265", "is not a Ray address"),
+    ("127.0.0.1", "is not a Ray address"),
+    ("127.0.0.1:99999", "is not a Ray address"),
+])
+def test_a_bad_address_is_refused_in_seconds(address, message):
+    from h2o_stream.apps.perplexity.ray_runs import check_address
+    from h2o_stream.errors import H2OStreamError
+
+    with pytest.raises(H2OStreamError, match=message):
+        check_address(address)
+
+
+def test_a_listening_port_passes_the_check():
+    import socket
+
+    from h2o_stream.apps.perplexity.ray_runs import check_address
+
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        check_address(f"127.0.0.1:{server.getsockname()[1]}")

@@ -13,6 +13,7 @@ checkpoint is intact either way; the same command with --resume continues.
 from __future__ import annotations
 
 import json
+import socket
 from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError, one_line
@@ -22,6 +23,27 @@ from .sweep import run_share, write_reports
 
 #: --ray value that starts a Ray instance on this machine for the sweep (and stops it afterwards)
 LOCAL = "local"
+#: seconds to wait for a cluster's port to answer before the model loads
+CONNECT_TIMEOUT = 5.0
+
+
+def check_address(address: str) -> None:
+    """Refuse, in seconds and before any model loads, a --ray address that cannot work: not `auto`, `local`,
+    `ray://HOST:PORT` or `HOST:PORT`, or a host and port where nothing answers (Ray itself retries such an address for
+    minutes). `auto` is left to Ray, which answers at once when no cluster runs here."""
+    if address in (LOCAL, "auto"):
+        return
+    scheme, _, rest = address.rpartition("://")
+    host, colon, port = rest.rpartition(":")
+    if scheme not in ("", "ray") or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise H2OStreamError(f"--ray {address!r} is not a Ray address: use auto, local, ray://HOST:PORT (a Ray "
+                             "client server) or HOST:PORT (a cluster's head node)")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
+    except OSError as error:
+        reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
+        raise H2OStreamError(f"cannot reach a Ray cluster at {address!r} ({reason} within {CONNECT_TIMEOUT:g} s)"
+                             ) from None
 
 
 def run_on_ray(sweep, loading: dict, address: str, note=lambda text: None) -> list[dict]:
