@@ -17,9 +17,9 @@ from eval.common import invoked_with
 #: suite name -> "module:click command" (a new suite registers here)
 SUITES = {
     "speed": "eval.speed:speed",
-    "quality": "eval.quality:quality",
-    "leaderboard": "eval.long:leaderboard",
-    "long": "eval.long:long",
+    "quality": "eval.perplexity:quality",
+    "leaderboard": "eval.perplexity:leaderboard",
+    "long": "eval.perplexity:long",
     "needle": "eval.needle:needle",
     "soak": "eval.soak:soak",
     "device": "eval.device_check:main",

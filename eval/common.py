@@ -17,8 +17,12 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
+
+if TYPE_CHECKING:
+    import torch
 
 #: corpora the committed results were measured on, by sha256: what the name alone does not say
 KNOWN_CORPORA = {

@@ -261,8 +261,7 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
     fig, axes = plt.subplots(rows, columns, figsize=(3.3 * columns + 1, 3.6 * rows), squeeze=False)
     for ax in axes.flat[len(variants):]:
         ax.axis("off")
-    cmap = plt.get_cmap("RdYlGn").copy()
-    cmap.set_bad("#cccccc")
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#cccccc")
     image = None
     for ax, variant in zip(axes.flat, variants):
         grid = accuracy_grid(results, variant, lengths, depths)

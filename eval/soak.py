@@ -33,7 +33,8 @@ from pathlib import Path
 import click
 import torch
 
-from eval.common import RESULTS, corpus_record, data_option, environment, new_figure, save_figure, setup, write_result
+from eval.common import (RESULTS, corpus_record, data_option, environment, model_option, new_figure, save_figure, setup,
+                         write_result)
 from h2o_stream import __version__
 from h2o_stream.apps.chat import CHAT_SAMPLING, ChatSession
 from h2o_stream.generation import Sampling
@@ -250,16 +251,17 @@ def summary_row(book: str, setting: str, result) -> dict:
 @click.option("--max-new-tokens", default=256, show_default=True, help="Summary length limit (both settings).")
 @click.option("--chat-turns", default=len(CHAT_MESSAGES), show_default=True)
 @click.option("--threads", default=1, show_default=True)
+@model_option
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
               default=RESULTS / "soak" / "generation_defaults.json", show_default=True,
               help="JSON path; the PNG goes beside it.")
-def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_turns, threads, out):
+def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_turns, threads, model_spec, out):
     """Summaries and chat replies with the old and the current decoding defaults: soak/generation_defaults.json."""
     from h2o_stream.apps.summarize import summarize
     from h2o_stream.apps.summarize import settings as summarize_settings
 
     setup(threads)
-    loaded = load_model(None, threads=threads)
+    loaded = load_model(model_spec, threads=threads)
     started = time.perf_counter()
     common = {"policy": "h2o", "cache_size": cache_size, "chunk_size": chunk_size, "max_new_tokens": max_new_tokens}
     new_defaults = {"temperature": summarize_settings.DEFAULT_TEMPERATURE, "top_p": summarize_settings.DEFAULT_TOP_P,
