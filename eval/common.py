@@ -40,6 +40,11 @@ data_option = click.option("--data", default="sample", show_default=True,
 model_option = click.option("--model", "model_spec", default=None,
                             help="Model to load (default: SmolLM2-135M-Instruct).")
 
+class BadInput(click.ClickException):
+    """A bad input to a suite: one clear `Error: ...` line and exit status 2 (click's own usage errors exit 2 too)."""
+    exit_code = 2
+
+
 _invocation: list[str] = []
 
 
@@ -63,10 +68,13 @@ def scrub_command(command: str) -> str:
             word = "--data=" + _scrub_corpus(word.split("=", 1)[1])
         elif i > 0 and words[i - 1] == "--data":
             word = _scrub_corpus(word)
-        elif os.path.isabs(word):
-            word = os.path.relpath(word)
-        out.append(word)
+        out.append(relative(word))
     return " ".join(word if CORPUS in word else shlex.quote(word) for word in out)
+
+
+def relative(path: str) -> str:
+    """`path` relative to the current directory if it is absolute, else as it is."""
+    return os.path.relpath(path) if os.path.isabs(path) else path
 
 
 def _scrub_corpus(path: str) -> str:
@@ -81,6 +89,16 @@ def corpus_record(data: str) -> dict:
     name = "sample" if data == "sample" else Path(data).name
     return {"name": name, "description": KNOWN_CORPORA.get(sha) or describe_source(data), "bytes": size,
             "sha256": sha}
+
+
+def load_model(spec: str | None, **options):
+    """`h2o_stream.loading.models.load_model`, its name (recorded in results) relative if it is a local path."""
+    import dataclasses
+
+    from h2o_stream.loading import models
+
+    loaded = models.load_model(spec, **options)
+    return dataclasses.replace(loaded, name=relative(loaded.name))
 
 
 def setup(threads: int) -> None:
@@ -113,7 +131,7 @@ def corpus_tokens(tokenizer, count: int, data: str) -> torch.Tensor:
         if len(ids) >= count:
             break
     if len(ids) < count:
-        raise click.ClickException(f"the corpus holds {len(ids):,} tokens, fewer than the {count:,} this run needs")
+        raise BadInput(f"the corpus holds {len(ids):,} tokens, fewer than the {count:,} this run needs")
     return torch.tensor(ids[:count])
 
 

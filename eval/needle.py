@@ -22,7 +22,6 @@ question last. Reading is the engine's `feed`; answering is `h2o_stream.generati
 
 from __future__ import annotations
 
-import os
 import platform
 import random
 import re
@@ -34,7 +33,7 @@ from types import SimpleNamespace
 import click
 import torch
 
-from eval.common import RESULTS, command_line, corpus_record, data_option
+from eval.common import RESULTS, BadInput, command_line, corpus_record, data_option, load_model, relative
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.apps.perplexity.run import default_span
 from h2o_stream.apps.summarize import build_prompt, encode
@@ -97,7 +96,7 @@ def make_trial(tokenizer, data: str, title: str, rng: random.Random, max_tokens:
         ids.extend(piece)
         boundaries.append(len(ids))
     if len(ids) < max_tokens:
-        raise click.ClickException(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need "
+        raise BadInput(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need "
                                    f"{max_tokens}")
     return {"book": title, "char_offset": start, "passkey": rng.randint(10000, 99999), "filler": ids,
             "boundaries": boundaries}
@@ -198,7 +197,7 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
     policy = make_policy("window", args.cache_size)
     keep = args.cache_size - len(prompt.prefix) - len(prompt.suffix)
     if keep <= 0:
-        raise click.ClickException(f"cache size {args.cache_size} leaves no room for the document after the prompt")
+        raise BadInput(f"cache size {args.cache_size} leaves no room for the document after the prompt")
     out = []
     for cell in cells:
         filler, p, cut = trial["filler"], cell["ins"], cell["cut"]
@@ -208,8 +207,8 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
         logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size or 128)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
-        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]), "needle_in_input": needle_seen,
-                    "evicted": cache.evicted})
+        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
+                    "needle_in_input": needle_seen, "evicted": cache.evicted})
         print(f"  truncation trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
               f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
     return out
@@ -313,9 +312,6 @@ def main(args) -> None:
             raise click.BadParameter(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}",
                                      param_hint="--policies")
     books = [b.strip() for b in args.books.split(",")]
-
-    from h2o_stream.loading.models import load_model
-
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = build_prompt(tokenizer, QUESTION, response_prefix=PRIMER)
@@ -364,7 +360,7 @@ def main(args) -> None:
 def write(args, model_name, prompt, trials, variants, lengths, depths, results, elapsed, stopped) -> None:
     settings = {k: v for k, v in vars(args).items() if k != "out_path"}
     settings["data"] = corpus_record(args.data)
-    settings["out"] = os.path.relpath(args.out) if os.path.isabs(args.out) else args.out
+    settings["out"], settings["model"] = relative(args.out), args.model and relative(args.model)
     text = table(results, variants, lengths, depths, args.cache_size)
     payload = {
         "description": __doc__.split("\n\n")[0],

@@ -23,8 +23,9 @@ from pathlib import Path
 
 import click
 
-from eval.common import (KNOWN_CORPORA, RESULTS, command_line, new_figure, run_commands, save_figure,
-                         scrub_command, write_result)
+from eval.common import (KNOWN_CORPORA, RESULTS, BadInput, command_line, new_figure, relative, run_commands,
+                         save_figure, scrub_command, write_result)
+
 GAP_TARGET = 0.01
 RUNS = RESULTS / "quality" / "runs"
 #: the committed run folders under RUNS: (folder, policies, options besides --data, --cache-size 256, --threads 1,
@@ -63,12 +64,12 @@ def gap(exact_dirs, chunked_dir, out):
     chunked = {r["settings"]["policy"]: r for r in results_in(chunked_dir)}
     rows = gaps(exact, chunked)
     if not rows:
-        raise click.ClickException(f"no policy has a run in both {', '.join(exact_dirs)} and {chunked_dir}")
+        raise BadInput(f"no policy has a run in both {', '.join(exact_dirs)} and {chunked_dir}")
     first = chunked[next(iter(rows))]
     report = {"benchmark": "fair chunked mode vs exact mode: the perplexity gap", "model": first["settings"]["model"],
               "data": corpus_of(first["settings"]), "cache_size": cache_size(first),
               "command": command_line(),
-              "runs": {"exact": list(exact_dirs), "chunked": chunked_dir,
+              "runs": {"exact": [relative(d) for d in exact_dirs], "chunked": relative(chunked_dir),
                        "commands": sorted({scrub_command(r["command"]) for name in rows
                                            for r in (exact[name], chunked[name]) if r.get("command")}),
                        "versions": [dict(v) for v in sorted({tuple(sorted(r.get("versions", {}).items()))
@@ -88,7 +89,7 @@ def gaps(exact: dict[str, dict], chunked: dict[str, dict]) -> dict[str, dict]:
     for name in sorted(exact.keys() & chunked.keys()):
         e, c = exact[name], chunked[name]
         if e["stream_sha256"] != c["stream_sha256"]:
-            raise click.ClickException(f"{name}: the exact and chunked runs read different streams")
+            raise BadInput(f"{name}: the exact and chunked runs read different streams")
         rows[name] = {"tokens": c["predicted_tokens"], "exact_ppl": e["ppl"], "chunked_ppl": c["ppl"],
                       "relative_gap": c["ppl"] / e["ppl"] - 1, "gap_standard_error": gap_standard_error(e, c),
                       "chunk_size": c["settings"]["chunk_size"], "wide_chunks": c["settings"].get("wide_chunks", True),
@@ -215,7 +216,7 @@ def write_report(run_dir: Path, window: int) -> dict:
     named = {p.stem: json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("*-*.json"))}
     named = {name: r for name, r in named.items() if "curve" in r}
     if not named:
-        raise click.ClickException(f"no run results (<policy>-<size>.json) in {run_dir}")
+        raise BadInput(f"no run results (<policy>-<size>.json) in {run_dir}")
     report = {"window": window, "runs": {}, "vs_sink": {}, "command": command_line()}
     for name, r in named.items():
         report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],

@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from eval.results_page import (PAGE, RenderError, Results, board_table, boards, decode_files, long_table, model_of,
-                               num, pct, results_page, source, table, verdict)
+                               num, pct, results_page, source, table, unexpected, verdict)
 
 README = Path("README.md")
 MARKER = re.compile(r"^<!-- (/?)render:([\w-]+) -->[ \t]*\r?$", re.MULTILINE)
@@ -132,7 +132,8 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
         else:
             if not opened or opened[0] != name:
                 raise RenderError(f"{where} line {line}: <!-- /render:{name} --> closes no open block {name!r}")
-            body = newline.join(BLOCKS[name](res))
+            with unexpected(f"{where} block {name!r}"):
+                body = newline.join(BLOCKS[name](res))
             out += [text[position:opened[1]], body + newline if body else ""]
             position, opened = match.start(), None
     if opened:

@@ -33,13 +33,12 @@ from pathlib import Path
 import click
 import torch
 
-from eval.common import (RESULTS, corpus_record, data_option, environment, model_option, new_figure, save_figure, setup,
-                         write_result)
+from eval.common import (RESULTS, corpus_record, data_option, environment, load_model, model_option, new_figure,
+                         save_figure, setup, write_result)
 from h2o_stream import __version__
 from h2o_stream.apps.chat import CHAT_SAMPLING, ChatSession
 from h2o_stream.generation import Sampling
 from h2o_stream.loading.corpus import describe_source, iter_books, read_book
-from h2o_stream.loading.models import load_model
 
 
 @click.group()
@@ -309,8 +308,8 @@ def plot_defaults(result: dict, path) -> None:
     books = list(dict.fromkeys(row["book"] for row in result["summaries"]))
     width = 0.38
     for k, setting in enumerate(("old", "new defaults")):
-        values = [next((r["distinct_4"] or 0 for r in result["summaries"] if r["book"] == b and r["setting"] == setting),
-                       0) for b in books]
+        values = [next((r["distinct_4"] or 0 for r in result["summaries"]
+                        if r["book"] == b and r["setting"] == setting), 0) for b in books]
         left.bar([i + (k - 0.5) * width for i in range(len(books))], values, width, label=setting)
     left.set_xticks(range(len(books)), [b[:22] for b in books], fontsize=8)
     left.set_ylim(0, 1.05)

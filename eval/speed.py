@@ -25,11 +25,11 @@ import click
 import torch
 from transformers import DynamicCache
 
-from eval.common import (RESULTS, alternate, corpus_record, corpus_tokens, data_option, environment, model_option,
-                         new_figure, paired_bars, save_figure, setup, time_chunks, write_result)
+from eval.common import (RESULTS, BadInput, alternate, corpus_record, corpus_tokens, data_option, environment,
+                         load_model, model_option, new_figure, paired_bars, save_figure, setup, time_chunks,
+                         write_result)
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import default_chunk_size
-from h2o_stream.loading.models import load_model
 
 TENSOR_OPS = ", tensor ops"
 out_dir_option = click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
@@ -378,7 +378,7 @@ def startup(rounds, out_dir):
     """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json."""
     program = shutil.which("h2o-stream", path=str(Path(sys.executable).parent)) or shutil.which("h2o-stream")
     if program is None:
-        raise click.ClickException("no h2o-stream command on PATH: install the package (pip install -e .)")
+        raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
     statuses = {}
 
     def step(arguments):
@@ -407,5 +407,5 @@ def plot_startup(report: dict, path: Path) -> None:
                label="max")
     ax.invert_yaxis()
     ax.set_xlabel("seconds, launch to exit")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     save_figure(fig, path, f"CLI start-up over {report['rounds']} rounds")
