@@ -13,21 +13,26 @@ The device machine reaches no network, so the default model cannot be fetched th
    after another (scanned forwards of 256, each policy's default chunk), per dtype.
 
     python eval/device_check.py --device cuda --out $OUT/device_check.json     # on the device machine
-    python eval/device_check.py --device cpu --timed-tokens 256 --out /tmp/device_check.json   # a dry run here
+    python -m eval device --device cpu --timed-tokens 256 --out device_check.json   # a dry run on a CPU
+
+It imports nothing from the other suites, so that it runs as a script as well as `python -m eval device`.
 """
 
 from __future__ import annotations
 
+import os
+import platform
+import sys
 import time
 
 import click
 import torch
 import transformers
-from common import environment, write_json
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import POLICIES, RowsCache, default_chunk_size
+from h2o_stream.files import write_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: SmolLM2-135M-Instruct's shape (its config.json)
@@ -200,11 +205,20 @@ def rows_timings(device, dtype, tokens: int, cache_size: int = 256, span: int = 
     return out
 
 
+def environment() -> dict:
+    """Versions, threads, machine and the command line (absolute paths made relative to the current directory)."""
+    words = [os.path.relpath(w) if os.path.isabs(w) else w for w in sys.argv[1:]]
+    script = "python -m eval" if sys.argv[0].endswith("__main__.py") else "python eval/device_check.py"
+    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
+            "threads": torch.get_num_threads(), "machine": platform.machine(), "command": " ".join([script, *words])}
+
+
 @click.command()
 @click.option("--device", default="cuda", show_default=True)
 @click.option("--timed-tokens", default=8192, show_default=True, help="Tokens per timed chunked measurement.")
 @click.option("--out", default="eval/results/device_check.json", show_default=True)
 def main(device, timed_tokens, out):
+    """Correctness of every policy on the device, then timings (under 10 minutes on a GPU)."""
     started = time.perf_counter()
     report = {"benchmark": "device check", "device": device, "environment": environment(),
               "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else device}

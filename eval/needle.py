@@ -1,13 +1,13 @@
 """Passkey (needle) retrieval through a fixed-size KV cache: what does the model keep from far back?
 
 A random five-digit passkey sentence ("The secret passkey is 48213. Remember it.") is inserted at a chosen depth into
-Gutenberg filler text (from `--data`, default the sample shipped with h2o-stream) of 4x-64x the cache size; the model reads the document through the
-cache and is then asked "What is the secret passkey?" with the answer primed ("The secret passkey is"); it decodes a
-few tokens greedily and a cell scores 1 if the first number it writes is the passkey, digit for digit.
+Gutenberg filler text (from `--data`) of 4x-64x the cache size; the model reads the document through the cache and is
+then asked "What is the secret passkey?" with the answer primed ("The secret passkey is"); it decodes a few tokens
+greedily and a cell scores 1 if the first number it writes is the passkey, digit for digit.
 
 Variants, all with the same budget of B KV entries per layer and KV head:
-- every registered policy (h2o, sink, window, tova, a2sf, h2o_sinks, sepllm, keydiff): the whole document streams
-  through the cache, in fair chunks of the policy's default size (`default_chunk_size`) unless --chunk-size is given;
+- every registered policy: the whole document streams through the cache, in fair chunks of the policy's default
+  size (`default_chunk_size`) unless --chunk-size is given;
 - truncation: the model only ever sees the last tokens: prompt + the document's last tokens + question = B tokens
   (a fresh cache, nothing evicted before the question; `window` B during the few generated tokens);
 - full (optional, reference): no eviction, only where the document fits in the model's context.
@@ -15,33 +15,25 @@ Variants, all with the same budget of B KV entries per layer and KV head:
 Cost saving: the cells of one (variant, trial) share reads: the filler is read once; at each needle position a copy of
 the cache reads the needle and the filler after it, and at each document end a copy of that reads the question. So a
 cell's chunks are `chunk` tokens at multiples of `chunk` of the tokens its cache has read, cut short at branch points
-(read in scanned forwards of up to 256 tokens, `StreamingCache(decide_every=chunk)`: the same decisions, faster); for
-sink and window chunking does not change the numbers (banded mask), for the others it moves eviction decisions
-slightly.
+(read in scanned forwards of up to 256 tokens, `StreamingCache(decide_every=chunk)`: the same decisions, faster).
 The prompt is summarize's (`h2o_stream.apps.summarize.build_prompt`): chat template, document in the user turn,
 question last. Reading is the engine's `feed`; answering is `h2o_stream.generation.generate` (greedy).
-
-    # every policy, 3 trials per cell, documents of 4x-16x the cache (the committed needle_policies run)
-    python eval/needle.py --policies h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,truncation \
-        --lengths 1024,2048,4096 --trials 3 --out eval/results/needle_policies
-    # the earlier run (needle.json: 1 trial, to 64x, with the full cache as a reference)
-    python eval/needle.py --policies h2o,sink,truncation,full --trials 2 --threads 1 --budget-minutes 20
-    python eval/needle.py --lengths 1024 --depths 0,1 --trials 1 --policies h2o,truncation --no-write   # smoke test
 """
 
 from __future__ import annotations
 
-import argparse
 import platform
 import random
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import torch
 
+from eval.common import RESULTS, BadInput, command_line, corpus_record, data_option, load_model, relative
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.apps.perplexity.run import default_span
 from h2o_stream.apps.summarize import build_prompt, encode
@@ -49,9 +41,8 @@ from h2o_stream.engine import POLICIES, default_chunk_size
 from h2o_stream.engine.feed import feed
 from h2o_stream.files import atomic_path, write_json
 from h2o_stream.generation import Sampling, generate, stop_token_ids
-from h2o_stream.loading.corpus import SAMPLE, describe_source, read_book
+from h2o_stream.loading.corpus import describe_source, read_book
 
-RESULTS = Path(__file__).parent / "results"
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey?"
 PRIMER = "The secret passkey is"
@@ -59,29 +50,32 @@ STREAMED = tuple(POLICIES)
 VARIANTS = STREAMED + ("truncation",)
 
 
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model spec for load_model (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--cache-size", type=int, default=256)
-    parser.add_argument("--chunk-size", type=int, default=None,
-                        help="tokens per forward (default: each policy's default_chunk_size; truncation: 128)")
-    parser.add_argument("--lengths", default="1024,2048,4096,8192,16384", help="filler lengths in tokens")
-    parser.add_argument("--depths", default="0,0.25,0.5,0.75,1", help="needle depths, 0 = start, 1 = end")
-    parser.add_argument("--policies", default="h2o,sink,truncation", help=f"any of {','.join(VARIANTS)}")
-    parser.add_argument("--trials", type=int, default=3)
-    parser.add_argument("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes",
-                        help="filler book per trial (titles, or parts of titles, from --data; cycled)")
-    parser.add_argument("--seed", type=int, default=1919)
-    parser.add_argument("--new-tokens", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1)")
-    parser.add_argument("--budget-minutes", type=float, default=None,
-                        help="start another trial only if it should finish within this many minutes in all")
-    parser.add_argument("--data", default=SAMPLE,
-                        help="corpus with the filler books: 'sample' (shipped with h2o-stream) or a path")
-    parser.add_argument("--out", type=Path, default=RESULTS / "needle", help="writes OUT.json and OUT.png")
-    parser.add_argument("--no-write", action="store_true", help="print the table only")
-    return parser.parse_args(argv)
+@click.command()
+@click.option("--model", default=None, help="Model to load (default: SmolLM2-135M-Instruct).")
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--chunk-size", type=int, default=None,
+              help="Tokens per forward (default: each policy's default_chunk_size; truncation: 128).")
+@click.option("--lengths", default="1024,2048", show_default=True, help="Filler lengths in tokens.")
+@click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True, help="Needle depths, 0 = start, 1 = end.")
+@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,truncation",
+              show_default=True,
+              help=f"Any of {','.join(VARIANTS)}.")
+@click.option("--trials", default=3, show_default=True)
+@click.option("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes", show_default=True,
+              help="Filler book per trial (titles, or parts of titles, from --data; cycled).")
+@click.option("--seed", default=1919, show_default=True)
+@click.option("--new-tokens", default=8, show_default=True)
+@click.option("--threads", default=1, show_default=True,
+              help="Torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1).")
+@click.option("--budget-minutes", type=float, default=None,
+              help="Start another trial only if it should finish within this many minutes in all.")
+@data_option
+@click.option("--out", default=str(RESULTS / "needle" / "policies"), show_default=True,
+              help="Writes OUT.json and OUT.png.")
+@click.option("--no-write", is_flag=True, help="Print the table only.")
+def needle(**params) -> None:
+    """Passkey retrieval through the cache, every policy: needle/policies.json (+ heat maps)."""
+    main(SimpleNamespace(**params, out_path=Path(params["out"])))
 
 
 # --- the haystack ------------------------------------------------------------------------------------------------
@@ -102,7 +96,8 @@ def make_trial(tokenizer, data: str, title: str, rng: random.Random, max_tokens:
         ids.extend(piece)
         boundaries.append(len(ids))
     if len(ids) < max_tokens:
-        raise SystemExit(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need {max_tokens}")
+        raise BadInput(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need "
+                                   f"{max_tokens}")
     return {"book": title, "char_offset": start, "passkey": rng.randint(10000, 99999), "filler": ids,
             "boundaries": boundaries}
 
@@ -202,7 +197,7 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
     policy = make_policy("window", args.cache_size)
     keep = args.cache_size - len(prompt.prefix) - len(prompt.suffix)
     if keep <= 0:
-        raise SystemExit(f"cache size {args.cache_size} leaves no room for the document after the prompt")
+        raise BadInput(f"cache size {args.cache_size} leaves no room for the document after the prompt")
     out = []
     for cell in cells:
         filler, p, cut = trial["filler"], cell["ins"], cell["cut"]
@@ -212,8 +207,8 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
         logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size or 128)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
-        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]), "needle_in_input": needle_seen,
-                    "evicted": cache.evicted})
+        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
+                    "needle_in_input": needle_seen, "evicted": cache.evicted})
         print(f"  truncation trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
               f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
     return out
@@ -265,8 +260,7 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
     fig, axes = plt.subplots(rows, columns, figsize=(3.3 * columns + 1, 3.6 * rows), squeeze=False)
     for ax in axes.flat[len(variants):]:
         ax.axis("off")
-    cmap = plt.get_cmap("RdYlGn").copy()
-    cmap.set_bad("#cccccc")
+    cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#cccccc")
     image = None
     for ax, variant in zip(axes.flat, variants):
         grid = accuracy_grid(results, variant, lengths, depths)
@@ -292,6 +286,7 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
 
 
 def versions(model_name: str) -> dict:
+    """Library versions, the commit and the machine a result was made with."""
     import transformers
 
     try:
@@ -306,19 +301,17 @@ def versions(model_name: str) -> dict:
             "platform": platform.platform()}
 
 
-def main(argv=None) -> None:
-    args = parse_args(argv)
+def main(args) -> None:
+    """Run every (trial, variant, length, depth) cell; write the result after each trial."""
     torch.set_num_threads(args.threads)
     lengths = [int(x) for x in args.lengths.split(",")]
     depths = [float(x) for x in args.depths.split(",")]
     variants = [v.strip() for v in args.policies.split(",")]
     for v in variants:
         if v not in VARIANTS:
-            raise SystemExit(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}")
+            raise click.BadParameter(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}",
+                                     param_hint="--policies")
     books = [b.strip() for b in args.books.split(",")]
-
-    from h2o_stream.loading.models import load_model
-
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
     prompt = build_prompt(tokenizer, QUESTION, response_prefix=PRIMER)
@@ -361,11 +354,13 @@ def main(argv=None) -> None:
     print(f"{len(results)} cells, {done_trials} trial(s), in {elapsed:.0f} s")
     if not args.no_write:
         write(args, loaded.name, prompt, trials[:done_trials], variants, lengths, depths, results, elapsed, stopped)
-        print(f"wrote {args.out.with_suffix('.json')} and {args.out.with_suffix('.png')}")
+        print(f"wrote {args.out_path.with_suffix('.json')} and {args.out_path.with_suffix('.png')}")
 
 
 def write(args, model_name, prompt, trials, variants, lengths, depths, results, elapsed, stopped) -> None:
-    settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    settings = {k: v for k, v in vars(args).items() if k != "out_path"}
+    settings["data"] = corpus_record(args.data)
+    settings["out"], settings["model"] = relative(args.out), args.model and relative(args.model)
     text = table(results, variants, lengths, depths, args.cache_size)
     payload = {
         "description": __doc__.split("\n\n")[0],
@@ -376,7 +371,7 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
                      "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) at "
                                  "multiples of chunk_size of the tokens a cache has read, cut short at shared branch "
                                  "points (needle positions, document ends), in scanned forwards of up to 256 tokens"},
-        "command": "python " + " ".join([sys.argv[0], *sys.argv[1:]]),
+        "command": command_line(),
         "data": describe_source(args.data),
         "versions": versions(model_name),
         "trials_completed": len(trials),
@@ -388,12 +383,8 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
         "table": text,
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    write_json(args.out.with_suffix(".json"), payload)
-    heatmap(results, variants, lengths, depths, args.cache_size, args.out.with_suffix(".png"),
+    args.out_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(args.out_path.with_suffix(".json"), payload)
+    heatmap(results, variants, lengths, depths, args.cache_size, args.out_path.with_suffix(".png"),
             f"{model_name}: passkey retrieval, cache {args.cache_size} per layer & KV head, "
             f"{len(trials)} trial(s) per cell")
-
-
-if __name__ == "__main__":
-    main()

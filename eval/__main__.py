@@ -1,0 +1,74 @@
+"""`python -m eval SUITE [PART] [options]`, from the repository's root: the benchmark suites and the renderer.
+
+Each suite lives in its own module, imported only when its command runs (most import torch and h2o-stream, which
+take seconds; `render` reads JSON files only). docs/benchmarks.md says what each part measures, its command, how long
+it takes and where it writes.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+from eval.common import invoked_with
+
+#: suite name -> "module:click command" (a new suite registers here)
+SUITES = {
+    "speed": "eval.speed:speed",
+    "quality": "eval.perplexity:quality",
+    "leaderboard": "eval.perplexity:leaderboard",
+    "long": "eval.perplexity:long",
+    "needle": "eval.needle:needle",
+    "soak": "eval.soak:soak",
+    "device": "eval.device_check:main",
+    "render": "eval.render:render",
+    # "serve": "eval.serve_load:serve",  # the serve load benchmark, once eval/serve_load.py exists
+}
+SUMMARIES = {
+    "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
+    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs).",
+    "leaderboard": "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
+    "long": "The long fair-chunk runs and their report (parts: fair, 4m, report).",
+    "needle": "Passkey retrieval through the cache, every policy.",
+    "soak": "Long chats and generated text (parts: chat, defaults).",
+    "device": "Accelerator check: correctness of every policy on the device, then timings.",
+    "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
+}
+
+
+class Suites(click.Group):
+    """A group whose commands are imported when they are asked for, not when the group is built."""
+
+    def list_commands(self, ctx):
+        return list(SUITES)
+
+    def get_command(self, ctx, name):
+        if name not in SUITES:
+            return None
+        module, attribute = SUITES[name].split(":")
+        command = getattr(importlib.import_module(module), attribute)
+        command.short_help = SUMMARIES.get(name)
+        return command
+
+    def format_commands(self, ctx, formatter):
+        """The suites' one-line summaries without importing them."""
+        with formatter.section("Suites"):
+            formatter.write_dl([(name, SUMMARIES.get(name, "")) for name in SUITES])
+
+
+@click.group(cls=Suites, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})
+def cli():
+    """The benchmark suites of h2o-stream and the renderer of their results."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run `python -m eval` with `argv` (default: the process's arguments)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    invoked_with(argv)
+    cli.main(argv, prog_name="python -m eval")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,298 @@
+"""The suites over `h2o-stream ppl` run folders: quality, leaderboard and long. None loads a model itself: each reads
+run results, or prints and runs (one at a time) the `h2o-stream ppl` / `h2o-stream leaderboard` commands that made
+the committed folders.
+
+- quality gap: fair chunked mode against exact mode on the same stream, every policy. It reads run folders (one run
+  per policy; exact mode in --exact-dir, the default fair chunks in --chunked-dir) and writes, per policy found in
+  both: exact and chunked PPL over the same tokens (their streams' sha256 checked), the relative gap, its standard
+  error, the chunk size and the keys the queries saw. `quality runs`: the runs it reads.
+- leaderboard: every policy at cache 128, 256 and 512 over one stream (`h2o-stream leaderboard`).
+- long fair / 4m: the long runs (`h2o-stream ppl --resume` continues them), then their report. `long report DIR`
+  reads the results in DIR and writes DIR/report.json and DIR/figure5.png: running PPL and PPL per window against
+  tokens, every policy against sinks at the same cache size (over the predictions both runs have made), and resident
+  memory late in the stream against early (~50k tokens into the run's last process, where the result records its
+  processes).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+
+import click
+
+from eval.common import (KNOWN_CORPORA, RESULTS, BadInput, command_line, new_figure, relative, run_commands,
+                         save_figure, scrub_command, write_result)
+
+GAP_TARGET = 0.01
+RUNS = RESULTS / "quality" / "runs"
+#: the committed run folders under RUNS: (folder, policies, options besides --data, --cache-size 256, --threads 1,
+#: --resume), in the order they were made
+PPL_RUNS = (
+    ("exact", "tova,h2o,a2sf,sepllm,keydiff,h2o_sinks,roco", ["--exact", "--tokens", "20000"]),
+    ("chunked", "h2o,sink,window,a2sf,h2o_sinks,sepllm,keydiff", ["--tokens", "20000"]),
+    ("chunked", "roco", ["--tokens", "20000", "--chunk-size", "8"]),  # roco's default chunk then (now exact mode)
+    ("chunked-c64", "tova,h2o,a2sf,h2o_sinks,sepllm,keydiff", ["--tokens", "20000", "--chunk-size", "64"]),
+    ("chunked-c16", "tova,roco", ["--tokens", "20000", "--chunk-size", "16"]),
+    ("chunked-c8", "tova,roco", ["--tokens", "20000", "--chunk-size", "8"]),
+    ("h2o-60k/exact", "h2o", ["--exact", "--tokens", "60000"]),
+    ("h2o-60k/chunked", "h2o", ["--tokens", "60000"]),
+    ("tova-60k/exact", "tova", ["--exact", "--tokens", "60000"]),
+    ("tova-60k/chunked", "tova", ["--tokens", "60000", "--chunk-size", "16"]),  # tova's default chunk then
+)
+
+
+@click.group()
+def quality():
+    """Fair chunks vs exact mode: the perplexity gap (parts: gap, runs)."""
+
+
+@quality.command()
+@click.option("--exact-dir", "exact_dirs", multiple=True, type=click.Path(exists=True, file_okay=False),
+              default=[str(RUNS / "exact")], show_default=True, help="Exact-mode runs (repeatable).")
+@click.option("--chunked-dir", type=click.Path(exists=True, file_okay=False), default=str(RUNS / "chunked"),
+              show_default=True, help="Chunked runs of the same stream.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "quality" / "gap.json",
+              show_default=True, help="JSON path; the PNG goes beside it.")
+def gap(exact_dirs, chunked_dir, out):
+    """The gap per policy, from run folders (no model): quality/gap.json."""
+    from h2o_stream.apps.perplexity.report import cache_size, results_in
+
+    exact = {r["settings"]["policy"]: r for d in exact_dirs for r in results_in(d)}
+    chunked = {r["settings"]["policy"]: r for r in results_in(chunked_dir)}
+    rows = gaps(exact, chunked)
+    if not rows:
+        raise BadInput(f"no policy has a run in both {', '.join(exact_dirs)} and {chunked_dir}")
+    first = chunked[next(iter(rows))]
+    report = {"benchmark": "fair chunked mode vs exact mode: the perplexity gap", "model": first["settings"]["model"],
+              "data": corpus_of(first["settings"]), "cache_size": cache_size(first),
+              "command": command_line(),
+              "runs": {"exact": [relative(d) for d in exact_dirs], "chunked": relative(chunked_dir),
+                       "commands": sorted({scrub_command(r["command"]) for name in rows
+                                           for r in (exact[name], chunked[name]) if r.get("command")}),
+                       "versions": [dict(v) for v in sorted({tuple(sorted(r.get("versions", {}).items()))
+                                                             for r in (*exact.values(), *chunked.values())})]},
+              "targets": {"abs_relative_gap": GAP_TARGET}, "gap": rows,
+              "gap_note": "exact and chunked runs read the same stream (stream_sha256 checked); the standard error "
+                          "is over the intervals of their running-PPL curves"}
+    for name, row in rows.items():
+        print(f"{name:10s} C={row['chunk_size']:3d} gap {row['relative_gap']:+.2%} (standard error "
+              f"{row['gap_standard_error'] or math.nan:.2%}) over {row['tokens']:,} tokens")
+    write_result(out, report, plot_gap)
+
+
+def gaps(exact: dict[str, dict], chunked: dict[str, dict]) -> dict[str, dict]:
+    """Per policy with a run in both (name -> `h2o-stream ppl` result): PPLs over the same tokens, the gap."""
+    rows = {}
+    for name in sorted(exact.keys() & chunked.keys()):
+        e, c = exact[name], chunked[name]
+        if e["stream_sha256"] != c["stream_sha256"]:
+            raise BadInput(f"{name}: the exact and chunked runs read different streams")
+        rows[name] = {"tokens": c["predicted_tokens"], "exact_ppl": e["ppl"], "chunked_ppl": c["ppl"],
+                      "relative_gap": c["ppl"] / e["ppl"] - 1, "gap_standard_error": gap_standard_error(e, c),
+                      "chunk_size": c["settings"]["chunk_size"], "wide_chunks": c["settings"].get("wide_chunks", True),
+                      "max_keys_seen_chunked": c.get("max_keys_seen"), "max_keys_seen_exact": e.get("max_keys_seen")}
+    return rows
+
+
+def gap_standard_error(exact: dict, chunked: dict) -> float | None:
+    """Standard error of the relative gap: the spread of the log-PPL difference between the two runs over the
+    intervals between the points of their running-PPL curves (every ~curve_every predictions), over the square root
+    of the number of intervals. A chunked run's points fall at forward boundaries, up to a chunk past the exact
+    run's, so the i-th intervals are paired (the last, partial one left out). None with fewer than 3 intervals."""
+    pairs = list(zip(_intervals(exact["curve"]), _intervals(chunked["curve"])))[:-1]
+    differences = [c - e for e, c in pairs]
+    if len(differences) < 3:
+        return None
+    return statistics.stdev(differences) / math.sqrt(len(differences))
+
+
+def _intervals(curve: list) -> list[float]:
+    """Mean NLL between consecutive points of a running-PPL curve [(predictions, running PPL), ...]."""
+    totals = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve]
+    return [(b - a) / (m - n) for (n, a), (m, b) in zip(totals, totals[1:])]
+
+
+def corpus_of(settings: dict) -> dict:
+    """The corpus of a `h2o-stream ppl` result as the suites record one: name, what it is, bytes, sha256."""
+    described, sha = settings.get("data", ""), settings.get("data_sha256")
+    name = described.split(":")[0] if described.startswith("sample:") else described.rsplit(" (", 1)[0]
+    return {"name": name, "description": KNOWN_CORPORA.get(sha) or described, "bytes": settings.get("data_bytes"),
+            "sha256": sha}
+
+
+def plot_gap(report: dict, path: Path) -> None:
+    rows = report["gap"]
+    names = list(rows)
+    fig, ax = new_figure(size=(max(4.0, 0.7 * len(names) + 2), 3.6))
+    ax.bar(names, [100 * rows[n]["relative_gap"] for n in names], color="#4c72b0", capsize=3,
+           yerr=[100 * (rows[n]["gap_standard_error"] or 0) for n in names])
+    for sign in (1, -1):
+        ax.axhline(sign * 100 * report["targets"]["abs_relative_gap"], color="red", linestyle="--")
+    ax.set_xticks(range(len(names)), [f"{n}\nC={rows[n]['chunk_size']}" for n in names], fontsize=8)
+    ax.set_ylabel("chunked PPL / exact PPL - 1 (%)")
+    tokens = sorted({row["tokens"] for row in rows.values()})
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, {', '.join(f'{t:,}' for t in tokens)} "
+                           "tokens: fair chunks vs exact mode, ± standard error")
+
+
+@quality.command()
+@click.option("--data", required=True, help="The corpus the runs read (the committed ones: gutenberg_pre1919.jsonl).")
+@click.option("--only", default=None, help="Only these folders under the runs folder, comma-separated.")
+@click.option("--dry-run", is_flag=True, help="Print the commands only.")
+def runs(data, only, dry_run):
+    """The `h2o-stream ppl` runs the gaps read, one after another (hours: exact mode is slow)."""
+    chosen = None if only is None else set(only.split(","))
+    commands = [["h2o-stream", "ppl", "--data", data, "--policy", policies, *options, "--cache-size", "256",
+                 "--threads", "1", "--resume", "--out", str(RUNS / folder)]
+                for folder, policies, options in PPL_RUNS if chosen is None or folder in chosen]
+    run_commands(commands, dry_run)
+
+
+EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens
+#: the long runs as committed: folder -> (the `h2o-stream ppl` runs, each as its options, the report's window)
+LONG_RUNS = {
+    "fair": ("long_fair", [["--cache-size", "256", "--policy", "sink,sepllm,h2o", "--tokens", "1048576"],
+                           ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"]], 100_000),
+    "4m": ("long_4m", [["--cache-size", "256", "--policy", "sink,h2o", "--tokens", "4000000"]], 200_000),
+}
+data_required = click.option("--data", required=True, help="The corpus (the committed runs: gutenberg_pre1919.jsonl).")
+dry_run_option = click.option("--dry-run", is_flag=True, help="Print the commands only.")
+
+
+@click.command()
+@data_required
+@click.option("--model", "model_spec", default=None, help="Another model: write its board to its own folder.")
+@click.option("--tokens", default=250_000, show_default=True)
+@click.option("--workers", default=2, show_default=True)
+@click.option("--out", default=str(RESULTS / "leaderboard"), show_default=True,
+              help="The board's folder (eval/results/leaderboard*/ are all rendered).")
+@dry_run_option
+def leaderboard(data, model_spec, tokens, workers, out, dry_run):
+    """Every policy at cache 128, 256 and 512 over one stream (`h2o-stream leaderboard`; reruns continue)."""
+    model = ["--model", model_spec] if model_spec else []
+    run_commands([["h2o-stream", "leaderboard", "--data", data, *model, "--tokens", str(tokens), "--workers",
+                   str(workers), "--out", out]], dry_run)
+
+
+@click.group()
+def long():
+    """The long fair-chunk runs (parts: fair, 4m, report)."""
+
+
+def _runs_part(name: str):
+    folder, runs, window = LONG_RUNS[name]
+
+    @data_required
+    @click.option("--workers", default=2, show_default=True)
+    @dry_run_option
+    def part(data, workers, dry_run):
+        out = RESULTS / folder
+        run_commands([["h2o-stream", "ppl", "--data", data, *options, "--threads", "1", "--workers", str(workers),
+                       "--resume", "--out", str(out)] for options in runs], dry_run)
+        if not dry_run:
+            write_report(out, window)
+
+    part.__doc__ = f"The runs in {RESULTS / folder} (--resume: continues where they stopped), then their report."
+    return long.command(name)(part)
+
+
+for _name in LONG_RUNS:
+    _runs_part(_name)
+
+
+@long.command()
+@click.argument("run_dir", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--window", default=50_000, show_default=True, help="Tokens per window of the windowed PPL panel.")
+def report(run_dir, window):
+    """RUN_DIR/report.json and figure5.png from the runs in RUN_DIR (no model)."""
+    write_report(run_dir, window)
+
+
+def write_report(run_dir: Path, window: int) -> dict:
+    """Read the run results in `run_dir`, write its report.json and figure5.png, return the report."""
+    named = {p.stem: json.loads(p.read_text()) for p in sorted(Path(run_dir).glob("*-*.json"))}
+    named = {name: r for name, r in named.items() if "curve" in r}
+    if not named:
+        raise BadInput(f"no run results (<policy>-<size>.json) in {run_dir}")
+    report = {"window": window, "runs": {}, "vs_sink": {}, "command": command_line()}
+    for name, r in named.items():
+        report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],
+                                "windows": windows(r["curve"], window), "rss": rss_growth(r),
+                                "command": scrub_command(r["command"]) if r.get("command") else None,
+                                "versions": r.get("versions"), "model": r["settings"].get("model"),
+                                "data": corpus_of(r["settings"])}
+    curves = {name: dict(r["curve"]) for name, r in named.items()}
+    for name in report["runs"]:
+        policy, size = name.rsplit("-", 1)
+        sink = f"sink-{size}"
+        if policy != "sink" and sink in curves:
+            common = max(set(curves[name]) & set(curves[sink]), default=None)  # runs may have stopped apart
+            if common:
+                own_windows, sink_windows = (windows([c for c in named[n]["curve"] if c[0] <= common], window)
+                                             for n in (name, sink))
+                report["vs_sink"][name] = {
+                    "predicted_tokens": common, "ppl": curves[name][common], "sink_ppl": curves[sink][common],
+                    "ppl_ratio": curves[name][common] / curves[sink][common],
+                    "windows_lower_than_sink": sum(h < k for (_, h), (_, k) in zip(own_windows, sink_windows)),
+                    "windows_compared": len(own_windows)}
+    for name, cmp in report["vs_sink"].items():
+        print(f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "
+              f"{cmp['sink_ppl']:.3f} (ratio {cmp['ppl_ratio']:.4f}); lower than sink in "
+              f"{cmp['windows_lower_than_sink']} of {cmp['windows_compared']} windows")
+    write_result(Path(run_dir) / "report.json", report, lambda rep, path: plot(rep, list(named.values()), path),
+                 figure=Path(run_dir) / "figure5.png")
+    return report
+
+
+def windows(curve: list, width: int) -> list[tuple[int, float]]:
+    """(end, PPL over the window) from a running-PPL curve [(predicted, running ppl), ...]."""
+    points, out, last_n, last_sum = [], [], 0, 0.0
+    for n, ppl in curve:
+        points.append((n, n * math.log(ppl)))  # cumulative NLL
+    for n, nll_sum in points:
+        if n - last_n >= width or n == points[-1][0]:
+            if n > last_n:
+                out.append((n, math.exp((nll_sum - last_sum) / (n - last_n))))
+            last_n, last_sum = n, nll_sum
+    return out
+
+
+def rss_growth(result: dict) -> dict | None:
+    """Resident memory late in the run against early: within the run's last process when the result says where its
+    processes began (`process_starts`; the early sample then is the first at or after EARLY_RSS_AT tokens of that
+    process), else over the samples as they are, which may come from several processes (`within_one_process`
+    False)."""
+    samples, starts = result["rss_samples"], result.get("process_starts")
+    start = starts[-1] if starts else 0
+    own = [(p, r) for p, r in samples if p > start] if starts else samples
+    early = next(((p, r) for p, r in own if p - start >= EARLY_RSS_AT), None)
+    if early is None or own[-1][0] <= early[0]:
+        return None
+    late = own[-1]
+    return {"early_tokens": early[0], "early_rss_bytes": early[1], "late_tokens": late[0], "late_rss_bytes": late[1],
+            "ratio": late[1] / early[1], "process_start": start if starts else None,
+            "within_one_process": bool(starts)}
+
+
+def plot(report: dict, results: list[dict], path: Path) -> None:
+    """Running and windowed PPL of every run (colour: policy, line: cache size)."""
+    fig, (running, windowed) = new_figure(1, 2, size=(12, 4.6))
+    colors, styles = {}, {}
+    for r, (name, run) in zip(results, report["runs"].items()):
+        policy, size = name.rsplit("-", 1)
+        color = colors.setdefault(policy, f"C{len(colors)}")
+        style = styles.setdefault(size, ("-", "--", ":", "-.")[len(styles) % 4])
+        running.plot(*zip(*r["curve"]), style, color=color, label=f"{name} ({run['ppl']:.2f})")
+        windowed.plot(*zip(*run["windows"]), style, color=color, marker=".", label=name)
+    running.set_title("running perplexity (all tokens so far)", fontsize=9)
+    windowed.set_title(f"perplexity per {report['window']:,}-token window", fontsize=9)
+    for ax in (running, windowed):
+        ax.set_xlabel("tokens")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    first = next(iter(report["runs"].values()))
+    save_figure(fig, path, f"running and windowed perplexity per run (colour: policy, line: cache size), "
+                           f"{first['model']}, {first['data']['name']}")

@@ -1,0 +1,411 @@
+"""Speed: ours against the raw twin doing the same work, side by side in one process, in alternating rounds
+(`common.alternate`); absolute speeds move between processes and machines, so only these ratios are claimed.
+
+decode: exact-mode decode (and the chat's decode loop) vs the raw decode step over a DynamicCache cropped back after
+each block, with gradients off (as `model.generate` runs) and under `torch.inference_mode` (as h2o-stream runs: like
+for like). scan: exact mode scanned in forwards of --span and one forward per token, compiled and on tensor operations
+(H2O_STREAM_COMPILED=0), vs the raw forward and decode step. fair: each policy's fair chunk (cache B, default chunk C)
+vs the raw forward of the same matrix work (B + 1 - C entries before each chunk, B for a band policy, cropped back),
+forward by forward. rows: a sweep as the rows of one batch vs run by run. startup: the CLI's help and a bad option.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+import torch
+from transformers import DynamicCache
+
+from eval.common import (RESULTS, BadInput, alternate, corpus_record, corpus_tokens, data_option, environment,
+                         load_model, model_option, new_figure, paired_bars, save_figure, setup, time_chunks,
+                         write_result)
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine import default_chunk_size
+
+TENSOR_OPS = ", tensor ops"
+out_dir_option = click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
+                              default=RESULTS / "speed", show_default=True, help="Where the JSON and PNG files go.")
+threads_option = click.option("--threads", default="1,2", show_default=True, help="Thread counts, comma-separated.",
+                              callback=lambda _context, _param, value: [int(t) for t in value.split(",")])
+
+
+@click.group()
+def speed():
+    """Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup)."""
+
+
+@speed.command()
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--block", default=4, show_default=True, help="Timed decode steps per contender and round.")
+@click.option("--rounds", default=32, show_default=True)
+@click.option("--policies", default="h2o,sink,window,full,tova,roco,chat", show_default=True,
+              help="Contenders besides the raw step; chat is the chat's decode loop over an h2o cache.")
+@threads_option
+@model_option
+@out_dir_option
+def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
+    """Exact-mode decode vs the raw decode step: decode_1thread.json, decode_2threads.json."""
+    from h2o_stream.apps.chat import chat_sampling
+    from h2o_stream.generation import generate
+
+    loaded = load_model(model_spec)
+    model, raw = loaded.model, ("dynamic", "dynamic_inference")
+    names = [*raw, *policies.split(",")]
+    margin = min(100, model.config.vocab_size // 4)
+    stream = torch.randint(margin, model.config.vocab_size - margin, (1, cache_size + rounds * block + 1),
+                           generator=torch.Generator().manual_seed(0))
+
+    def fresh(name):
+        if name in raw:
+            cache = DynamicCache(config=model.config)
+        else:
+            policy = make_policy("h2o" if name == "chat" else name, None if name == "full" else cache_size,
+                                 tokenizer=loaded.tokenizer)
+            cache = StreamingCache(model, policy)
+        model(stream[:, :cache_size], cache=cache)
+        return cache
+
+    def step(name):
+        def run(r, _):
+            if name == "full":  # full grows: refilled, so that it decodes at the same length every round
+                caches[name] = fresh(name)
+            cache, steps = caches[name], stream[:, cache_size + r * block: cache_size + (r + 1) * block]
+            started = time.perf_counter()
+            if name == "chat":  # block + 1 tokens picked, block of them fed
+                logits = model(steps[:, :1], cache=cache).logits[0, -1]
+                generate(model, loaded.tokenizer, cache, logits, sampling, stop_ids=(), max_new_tokens=block)
+            else:
+                with torch.inference_mode() if name == "dynamic_inference" else contextlib.nullcontext():
+                    for i in range(block):
+                        model(steps[:, i:i + 1], cache=cache)
+            seconds = (time.perf_counter() - started) / block
+            if name in raw:
+                cache.crop(-block)
+            return seconds
+        return run
+
+    sampling = chat_sampling()
+    for count in threads:
+        setup(count)
+        with torch.no_grad():
+            caches = {name: fresh(name) for name in names}
+            per_token = alternate({name: step(name) for name in names}, rounds)
+        median = {name: statistics.median(v) for name, v in per_token.items()}
+        report = {"benchmark": "exact-mode decode vs DynamicCache", "model": loaded.name, "cache_size": cache_size,
+                  "block": block, "rounds": rounds, "environment": environment(),
+                  "median_seconds_per_token": median,
+                  "ratio_vs_dynamic": {n: median[n] / median["dynamic"] for n in names[1:]},
+                  "ratio_vs_dynamic_inference": {n: median[n] / median["dynamic_inference"] for n in names[2:]},
+                  "per_block_seconds_per_token": per_token, "target_ratio": 1 / 0.9}
+        print(f"{count} thread(s), time vs the raw step:", {n: round(r, 3) for n, r in
+                                                             report["ratio_vs_dynamic"].items()})
+        write_result(out_dir / f"decode_{count}thread{'s' if count > 1 else ''}.json", report, plot_decode)
+
+
+def plot_decode(report: dict, path: Path) -> None:
+    median, like = report["median_seconds_per_token"], report["ratio_vs_dynamic_inference"]
+    names = list(median)
+    fig, ax = new_figure(size=(6, 3.4))
+    ax.bar(names, [1000 * median[n] for n in names], color="#4c72b0")
+    for i, n in enumerate(names[1:], start=1):
+        label = f"{report['ratio_vs_dynamic'][n]:.2f}x" + (f"\n{like[n]:.2f}x" if n in like else "")
+        ax.text(i, 1000 * median[n], label, ha="center", va="bottom", fontsize=7)
+    ax.tick_params(axis="x", rotation=30, labelsize=8)
+    ax.set_ylim(top=1.25 * 1000 * max(median.values()))  # room for two-line labels
+    ax.set_ylabel("ms per decoded token (median)")
+    ax.set_title("time vs dynamic (top) and vs dynamic_inference (bottom)", fontsize=8)
+    save_figure(fig, path, f"exact mode and chat decode vs DynamicCache, cache {report['cache_size']}, "
+                           f"{report['environment']['threads']} thread(s)")
+
+
+@speed.command()
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--span", default=256, show_default=True, help="Tokens per scanned (and raw) forward.")
+@click.option("--policies", default="h2o,tova,roco,sink", show_default=True)
+@threads_option
+@click.option("--rounds", default=3, show_default=True)
+@click.option("--tokens", default=512, show_default=True, help="Tokens per timed round for the wide contenders.")
+@click.option("--step-tokens", default=32, show_default=True, help="Tokens per timed round, one forward per token.")
+@data_option
+@model_option
+@out_dir_option
+def scan(cache_size, span, policies, threads, rounds, tokens, step_tokens, data, model_spec, out_dir):
+    """Exact mode scanned and per token, compiled and on tensor ops, vs raw forwards: exact_scan.json."""
+    loaded = load_model(model_spec)
+    model = loaded.model
+    stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * tokens, data)
+    prefix, timed = stream[:cache_size], stream[cache_size:]
+    raw = lambda: DynamicCache(config=model.config)  # noqa: E731
+    # name: (make a cache, tokens per forward, raw (cropped back), tokens per round)
+    contenders = {"raw forward": (raw, span, True, tokens), "raw decode step": (raw, 1, True, step_tokens),
+                  "raw decode step, inference mode": (raw, 1, True, step_tokens)}
+    for name in policies.split(","):
+        policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+        chunk = default_chunk_size(policy)
+        if policy.band() is not None:  # exact at any width: its chunk, and decoding
+            contenders[f"{name} chunk {chunk}"] = (lambda p=policy: StreamingCache(model, p), chunk, False, tokens)
+        else:
+            for ops in ("", TENSOR_OPS):
+                contenders[f"{name} exact, scanned in {span}{ops}"] = (
+                    lambda p=policy: StreamingCache(model, p, decide_every=1), span, False, tokens)
+            if chunk > 1:
+                contenders[f"{name} chunk {chunk}, scanned in {span}"] = (
+                    lambda p=policy, k=chunk: StreamingCache(model, p, decide_every=k), span, False, tokens)
+        for ops in ("", TENSOR_OPS):
+            contenders[f"{name} exact, one forward each{ops}"] = (
+                lambda p=policy: StreamingCache(model, p), 1, False, step_tokens)
+
+    def step(name, cache, width, crop, count):
+        def run(r, _):
+            block = timed[r * tokens:r * tokens + count]
+            with _scan_context(name):
+                return time_chunks(model, cache, block, width, crop) / block.numel()
+        return run
+
+    report = {"benchmark": "exact mode compiled vs on tensor operations vs raw forwards", "model": loaded.name,
+              "data": corpus_record(data), "cache_size": cache_size, "span": span, "environment": environment(),
+              "threads": {}}
+    for count in threads:
+        setup(count)
+        steps = {}
+        for name, (make, width, crop, count_tokens) in contenders.items():
+            cache = make()
+            with torch.no_grad():
+                model(prefix.unsqueeze(0), cache=cache)
+            steps[name] = step(name, cache, width, crop, count_tokens)
+        seconds = alternate(steps, rounds)
+        speed_ = {name: 1 / statistics.median(v) for name, v in seconds.items()}
+        report["threads"][str(count)] = {
+            "tokens_per_second": speed_, "seconds_per_token_per_round": seconds,
+            **{key: {n: s / speed_[base] for n, s in speed_.items()} for key, base in (
+                ("vs_raw_forward", "raw forward"), ("vs_raw_decode_step", "raw decode step"),
+                ("vs_raw_decode_step_in_inference_mode", "raw decode step, inference mode"))}}
+        print(f"{count} thread(s), vs the raw forward:", {n: round(r, 3) for n, r in
+                                                            report["threads"][str(count)]["vs_raw_forward"].items()})
+    write_result(out_dir / "exact_scan.json", report, plot_scan)
+
+
+@contextlib.contextmanager
+def _scan_context(name: str):
+    """A contender's round: the compiled loop off for the tensor-operation ones, the raw step's twin in inference
+    mode."""
+    os.environ["H2O_STREAM_COMPILED"] = "0" if name.endswith(TENSOR_OPS) else "1"
+    try:
+        with torch.inference_mode() if name.endswith("inference mode") else torch.no_grad():
+            yield
+    finally:
+        os.environ.pop("H2O_STREAM_COMPILED")
+
+
+def plot_scan(report: dict, path: Path) -> None:
+    counts = list(report["threads"])
+    fig, axes = new_figure(1, len(counts), size=(6.5 * len(counts), 5))
+    axes = axes if len(counts) > 1 else [axes]
+    colors = lambda n: "#888888" if n.startswith("raw") else "#dd8452" if n.endswith(TENSOR_OPS) else (  # noqa: E731
+        "#55a868" if " chunk " in n else "#4c72b0")
+    for ax, count in zip(axes, counts):
+        speed_ = report["threads"][count]["tokens_per_second"]
+        ax.barh(list(speed_), list(speed_.values()), color=[colors(n) for n in speed_])
+        ax.set_xscale("log")
+        ax.invert_yaxis()
+        ax.set_xlabel("tokens / second (log scale)")
+        ax.set_title(f"{count} thread(s)", fontsize=9)
+        ax.tick_params(axis="y", labelsize=7)
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, forwards of {report['span']}\nblue: "
+                           "exact mode compiled, orange: exact mode on tensor operations, green: chunks, grey: raw")
+
+
+@speed.command()
+@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco", show_default=True)
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--rounds", default=5, show_default=True)
+@click.option("--round-tokens", default=512, show_default=True, help="Tokens per round and contender, chunks > 1.")
+@click.option("--exact-round-tokens", default=96, show_default=True,
+              help="Tokens per round and contender for the policies whose default is exact mode (chunk 1).")
+@click.option("--threads", default=2, show_default=True)
+@data_option
+@model_option
+@out_dir_option
+def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads, data, model_spec, out_dir):
+    """Fair chunks vs their raw twin, forward by forward: fair_chunks_chunked.json, fair_chunks_exact.json."""
+    setup(threads)
+    loaded = load_model(model_spec)
+    names = policies.split(",")
+    chunks = {n: default_chunk_size(make_policy(n, cache_size, tokenizer=loaded.tokenizer)) for n in names}
+    for kind, group, tokens in (("chunked", [n for n in names if chunks[n] > 1], round_tokens),
+                                ("exact", [n for n in names if chunks[n] == 1], exact_round_tokens)):
+        if not group:
+            continue
+        stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * tokens, data)
+        rows = {name: _fair_row(loaded, name, cache_size, stream, rounds, tokens) for name in group}
+        report = {"benchmark": "fair chunks vs the raw chunked forward", "model": loaded.name,
+                  "data": corpus_record(data), "cache_size": cache_size, "environment": environment(),
+                  "targets": {"ratio_vs_raw_forward": 0.85}, "throughput": rows,
+                  "throughput_measured_with": {**environment(), "alternate": "forwards", "rounds": rounds,
+                                               "round_tokens": tokens}}
+        write_result(out_dir / f"fair_chunks_{kind}.json", report, plot_fair)
+
+
+@torch.no_grad()
+def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
+    """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
+    Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
+    each round's own pair)."""
+    model, prefix, timed = loaded.model, stream[:cache_size], stream[cache_size:]
+    policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+    chunk = default_chunk_size(policy)
+    held = cache_size if policy.band() is not None else cache_size + 1 - chunk
+    caches = {"policy": StreamingCache(model, policy), "raw": DynamicCache(config=model.config)}
+    for cache in caches.values():
+        for start in range(0, cache_size, chunk):
+            model(prefix[start:start + chunk].unsqueeze(0), cache=cache)
+    caches["raw"].crop(held - cache_size)  # negative: drop the newest cache_size - held entries
+    caches["raw_inference"] = copy.deepcopy(caches["raw"])
+
+    def step(who):
+        def run(r, i):
+            piece = timed[r * tokens + i * chunk:min(r * tokens + (i + 1) * chunk, (r + 1) * tokens)].unsqueeze(0)
+            with torch.inference_mode() if who == "raw_inference" else contextlib.nullcontext():
+                started = time.perf_counter()
+                model(piece, cache=caches[who])
+                seconds = time.perf_counter() - started
+            if who != "policy":
+                caches[who].crop(-piece.shape[-1])
+            return seconds
+        return run
+
+    seconds = alternate({who: step(who) for who in caches}, rounds, per_round=-(-tokens // chunk))
+    speeds = {who: statistics.median(tokens / s for s in v) for who, v in seconds.items()}
+    ratios = {who: [s / p for s, p in zip(seconds[who], seconds["policy"])] for who in ("raw", "raw_inference")}
+    row = {"chunk_size": chunk, "tokens_per_second": speeds["policy"], "raw_forward": f"raw {held}+{chunk}",
+           "raw_tokens_per_second": speeds["raw"], "ratio_vs_raw_forward": statistics.median(ratios["raw"]),
+           "ratio_per_round": ratios["raw"], "raw_inference_mode_tokens_per_second": speeds["raw_inference"],
+           "ratio_vs_raw_forward_in_inference_mode": statistics.median(ratios["raw_inference"]),
+           "ratio_in_inference_mode_per_round": ratios["raw_inference"]}
+    print(f"{name:10s} C={chunk:3d} {row['tokens_per_second']:7.1f} tok/s = {row['ratio_vs_raw_forward']:.3f}x "
+          f"{row['raw_forward']} ({row['ratio_vs_raw_forward_in_inference_mode']:.3f}x in inference mode)", flush=True)
+    return row
+
+
+def plot_fair(report: dict, path: Path) -> None:
+    rows = report["throughput"]
+    names, places = list(rows), range(len(rows))
+    fig, ax = new_figure(size=(max(4.0, 0.8 * len(names) + 2), 3.6))
+    ax.bar([i - 0.2 for i in places], [rows[n]["ratio_vs_raw_forward"] for n in names], width=0.4,
+           color="#55a868", label="raw forward with gradients off")
+    ax.bar([i + 0.2 for i in places], [rows[n]["ratio_vs_raw_forward_in_inference_mode"] for n in names], width=0.4,
+           color="#8172b2", label="the same in inference mode")
+    ax.set_xticks(list(places), [f"{n}\nC={rows[n]['chunk_size']}" for n in names], fontsize=8)
+    ax.axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
+    ax.legend(fontsize=7)
+    ax.set_ylabel("tok/s / raw twin tok/s (median)")
+    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}: fair chunks vs their raw twin, "
+                           f"{report['environment']['threads']} thread(s)")
+
+
+@speed.command()
+@click.option("--policies", default="h2o,sink,tova,a2sf", show_default=True)
+@click.option("--cache-size", default=256, show_default=True)
+@click.option("--tokens", default=2048, show_default=True, help="Stream tokens per run.")
+@threads_option
+@click.option("--rounds", default=2, show_default=True)
+@data_option
+@model_option
+@out_dir_option
+def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_dir):
+    """A sweep's runs as rows of one batch vs one after another: rows.json."""
+    from h2o_stream.apps.perplexity.rows import RunRows
+    from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+
+    loaded = load_model(model_spec)
+    stream, names = corpus_tokens(loaded.tokenizer, tokens, data), policies.split(",")
+    made = {}
+
+    def step(way):
+        def run(_r, _i):
+            made[way] = [PerplexityRun(loaded.model, make_policy(n, cache_size, tokenizer=loaded.tokenizer),
+                                       record_tokens=True) for n in names]
+            started = time.perf_counter()
+            if way == "rows":
+                RunRows(made[way]).run(token_pieces(stream))
+            else:
+                for one in made[way]:
+                    one.run(token_pieces(stream))
+            return time.perf_counter() - started
+        return run
+
+    seconds = {}
+    for count in threads:
+        setup(count)
+        seconds[str(count)] = alternate({way: step(way) for way in ("rows", "one after another")}, rounds)
+    speed_ = {c: {way: len(names) * tokens / statistics.median(v) for way, v in ways.items()}
+              for c, ways in seconds.items()}
+    gaps = {n: (torch.cat(a.token_nll) - torch.cat(b.token_nll)).abs().mean().item()
+            for n, a, b in zip(names, made["rows"], made["one after another"])}
+    report = {"benchmark": "batched sweep rows vs runs one after another", "model": loaded.name, "policies": names,
+              "cache_size": cache_size, "tokens_per_run": tokens, "data": corpus_record(data),
+              "environment": environment(), "seconds": seconds, "sweep_tokens_per_second": speed_,
+              "rows_vs_one_after_another": {c: s["rows"] / s["one after another"] for c, s in speed_.items()},
+              "mean_abs_token_nll_difference": gaps}
+    print("rows vs one after another, by thread count:", report["rows_vs_one_after_another"])
+    write_result(out_dir / "rows.json", report, plot_rows)
+
+
+def plot_rows(report: dict, path: Path) -> None:
+    fig, ax = new_figure(1, 1, size=(5, 3.2))
+    paired_bars(ax, {f"{count} thread(s)": ways for count, ways in report["sweep_tokens_per_second"].items()},
+                ("rows", "one after another"), "sweep tokens / second")
+    save_figure(fig, path, f"{len(report['policies'])} runs ({', '.join(report['policies'])}) at cache "
+                           f"{report['cache_size']}, {report['tokens_per_run']:,} tokens each")
+
+
+STARTUP = (("--help",), ("ppl", "--help"), ("ppl", "--nope"))
+
+
+@speed.command()
+@click.option("--rounds", default=10, show_default=True)
+@out_dir_option
+def startup(rounds, out_dir):
+    """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json."""
+    program = shutil.which("h2o-stream", path=str(Path(sys.executable).parent)) or shutil.which("h2o-stream")
+    if program is None:
+        raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
+    statuses = {}
+
+    def step(arguments):
+        def run(_r, _i):
+            started = time.perf_counter()
+            done = subprocess.run([program, *arguments], capture_output=True)
+            statuses[arguments] = done.returncode
+            return time.perf_counter() - started
+        return run
+
+    seconds = alternate({arguments: step(arguments) for arguments in STARTUP}, rounds)
+    commands = {" ".join(("h2o-stream", *a)): {"median_seconds": statistics.median(v), "max_seconds": max(v),
+                                               "seconds": v, "exit_status": statuses[a]} for a, v in seconds.items()}
+    print({command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
+           for command, row in commands.items()})
+    report = {"benchmark": "CLI start-up: fresh processes, launch to exit", "rounds": rounds,
+              "environment": environment(), "commands": commands}
+    write_result(out_dir / "startup.json", report, plot_startup)
+
+
+def plot_startup(report: dict, path: Path) -> None:
+    rows = report["commands"]
+    fig, ax = new_figure(size=(6, 3))
+    ax.barh(list(rows), [r["median_seconds"] for r in rows.values()], color="#4c72b0", label="median")
+    ax.scatter([r["max_seconds"] for r in rows.values()], range(len(rows)), color="red", marker="|", s=200,
+               label="max")
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds, launch to exit")
+    ax.legend(fontsize=8, loc="lower right")
+    save_figure(fig, path, f"CLI start-up over {report['rounds']} rounds")

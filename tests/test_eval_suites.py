@@ -1,0 +1,233 @@
+"""The eval suites (`python -m eval ...`): each speed part, run for a tiny config on a tiny random model, writes the
+same JSON schema as its committed result; quality and long regenerate their committed numbers from the committed
+runs; needle and soak keep their schemas; no result records an absolute path."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from eval.__main__ import main
+from eval.common import CORPUS, alternate, corpus_record, scrub_command
+from tiny_models import save_tiny_model_dir
+
+REPO = Path(__file__).resolve().parents[1]
+RESULTS = REPO / "eval" / "results"
+#: the folders of `h2o-stream ppl` / `leaderboard` run files, whose provenance the library itself writes
+RUN_FILES = ("leaderboard", "long_4m", "long_fair", "quality/runs")
+
+
+def shape(value, free: frozenset = frozenset()):
+    """The key structure of a JSON value: dicts by their keys (recursively), lists and scalars by kind. A dict under a
+    key in `free` is keyed by what was measured (contenders, thread counts): there only the shapes of its values
+    count."""
+    if isinstance(value, dict):
+        return {key: (_free(item, free) if key in free and isinstance(item, dict) else shape(item, free))
+                for key, item in value.items()}
+    return "list" if isinstance(value, list) else "scalar"
+
+
+def _free(value: dict, free: frozenset):
+    return {"*": sorted({json.dumps(shape(item, free), sort_keys=True) for item in value.values()})}
+
+
+ABSOLUTE = re.compile(r"(?:^|[\s='\"])(?:/[\w.+-]+){2,}")  # an absolute path in a string
+
+
+def strings(value):
+    """Every string in a JSON value."""
+    if isinstance(value, dict):
+        return [s for item in value.values() for s in strings(item)]
+    if isinstance(value, list):
+        return [s for item in value for s in strings(item)]
+    return [value] if isinstance(value, str) else []
+
+
+def written_json(path: Path) -> dict:
+    """A result a suite wrote, checked to record no absolute path."""
+    result = json.loads(path.read_text())
+    assert not [s for s in strings(result) if ABSOLUTE.search(s)], path
+    return result
+
+
+def committed(name: str) -> dict:
+    return json.loads((RESULTS / name).read_text())
+
+
+def suite(*argv: str) -> None:
+    """`python -m eval ARGV` in this process; fails the test on a non-zero exit."""
+    with pytest.raises(SystemExit) as done:
+        main(list(argv))
+    assert done.value.code in (0, None), f"python -m eval {' '.join(argv)} exited {done.value.code}"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model"))
+
+
+@pytest.fixture(autouse=True)
+def _threads_back():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_alternate_rotates_the_order_and_sums_each_round():
+    calls = []
+    steps = {name: (lambda r, i, name=name: calls.append((r, i, name)) or 1.0) for name in "abc"}
+    seconds = alternate(steps, rounds=2, per_round=2)
+    assert seconds == {name: [2.0, 2.0] for name in "abc"}
+    firsts = [calls[k][2] for k in range(0, len(calls), 3)]
+    assert firsts == ["a", "b", "c", "a"]  # who goes first rotates at every step
+
+
+def test_speed_decode_writes_the_committed_schema(tiny, tmp_path):
+    suite("speed", "decode", "--model", tiny, "--cache-size", "64", "--rounds", "2", "--block", "2", "--threads", "1,2",
+          "--out-dir", str(tmp_path))
+    for name in ("decode_1thread.json", "decode_2threads.json"):
+        assert shape(written_json(tmp_path / name)) == shape(committed(f"speed/{name}"))
+        assert (tmp_path / name).with_suffix(".png").is_file()
+
+
+def test_speed_scan_writes_the_committed_schema(tiny, tmp_path):
+    suite("speed", "scan", "--model", tiny, "--cache-size", "64", "--span", "32", "--rounds", "1", "--tokens", "16",
+          "--step-tokens", "2", "--out-dir", str(tmp_path))
+    # its contenders follow each policy's default chunk (roco's was 8 when the committed file was measured)
+    free = frozenset({"threads", "tokens_per_second", "seconds_per_token_per_round", "vs_raw_forward",
+                      "vs_raw_decode_step", "vs_raw_decode_step_in_inference_mode"})
+    written = written_json(tmp_path / "exact_scan.json")
+    assert shape(written, free) == shape(committed("speed/exact_scan.json"), free)
+    assert written["threads"].keys() == {"1", "2"}
+
+
+def test_speed_fair_writes_the_committed_schemas(tiny, tmp_path):
+    suite("speed", "fair", "--model", tiny, "--cache-size", "64", "--rounds", "1", "--round-tokens", "32",
+          "--exact-round-tokens", "2", "--out-dir", str(tmp_path))
+    for name in ("fair_chunks_chunked.json", "fair_chunks_exact.json"):
+        written = written_json(tmp_path / name)
+        assert shape(written) == shape(committed(f"speed/{name}"))
+        assert written["data"]["name"] == "sample" and len(written["data"]["sha256"]) == 64
+
+
+def test_speed_rows_writes_the_committed_schema(tiny, tmp_path):
+    suite("speed", "rows", "--model", tiny, "--rounds", "1", "--tokens", "64", "--out-dir", str(tmp_path))
+    written = written_json(tmp_path / "rows.json")
+    assert shape(written) == shape(committed("speed/rows.json"))
+    assert all(gap == 0 for gap in written["mean_abs_token_nll_difference"].values())  # rows equal runs alone
+
+
+def test_speed_startup_times_the_three_commands(tmp_path):
+    suite("speed", "startup", "--rounds", "1", "--out-dir", str(tmp_path))
+    written = written_json(tmp_path / "startup.json")
+    statuses = {command: row["exit_status"] for command, row in written["commands"].items()}
+    assert statuses == {"h2o-stream --help": 0, "h2o-stream ppl --help": 0, "h2o-stream ppl --nope": 2}
+    assert all(row["max_seconds"] >= row["median_seconds"] > 0 for row in written["commands"].values())
+
+
+@pytest.mark.parametrize("name, runs", [("gap.json", "runs"), ("gap_h2o_60k.json", "runs/h2o-60k"),
+                                        ("gap_tova_60k.json", "runs/tova-60k")])
+def test_quality_gap_regenerates_the_committed_gaps_from_the_runs(tmp_path, name, runs):
+    out = tmp_path / name
+    folder = RESULTS / "quality" / runs
+    suite("quality", "gap", "--exact-dir", str(folder / "exact"), "--chunked-dir", str(folder / "chunked"), "--out",
+          str(out))
+    written, kept = written_json(out), committed(f"quality/{name}")
+    assert written["gap"] == kept["gap"]
+    assert shape(written) == shape(kept)
+
+
+@pytest.mark.parametrize("folder, window", [("long_4m", 200_000), ("long_fair", 100_000)])
+def test_long_report_regenerates_the_committed_report(tmp_path, folder, window):
+    copy = tmp_path / folder
+    shutil.copytree(RESULTS / folder, copy, ignore=shutil.ignore_patterns("*.png", "*.ckpt", "report.json"))
+    suite("long", "report", str(copy), "--window", str(window))
+    written, kept = written_json(copy / "report.json"), committed(f"{folder}/report.json")
+    assert {k: v for k, v in written.items() if k != "command"} == {k: v for k, v in kept.items() if k != "command"}
+    assert (copy / "figure5.png").is_file()
+
+
+def test_the_run_commands_are_printed_with_dry_run(capsys):
+    suite("long", "4m", "--data", "books.jsonl", "--dry-run")
+    suite("quality", "runs", "--data", "books.jsonl", "--only", "tova-60k/exact", "--dry-run")
+    suite("leaderboard", "--data", "books.jsonl", "--dry-run")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "h2o-stream ppl --data books.jsonl --cache-size 256 --policy sink,h2o --tokens 4000000 --threads 1 --workers 2 "
+        "--resume --out eval/results/long_4m",
+        "h2o-stream ppl --data books.jsonl --policy tova --exact --tokens 60000 --cache-size 256 --threads 1 --resume "
+        "--out eval/results/quality/runs/tova-60k/exact",
+        "h2o-stream leaderboard --data books.jsonl --tokens 250000 --workers 2 --out eval/results/leaderboard"]
+
+
+def test_needle_keeps_its_schema(model_dir, tmp_path):
+    out = tmp_path / "needle"
+    suite("needle", "--model", str(model_dir), "--cache-size", "96", "--lengths", "256", "--depths", "0,1",
+          "--trials", "1", "--policies", "sink,truncation", "--out", str(out))
+    written, kept = written_json(out.with_suffix(".json")), committed("needle/policies.json")
+    assert written.keys() == kept.keys()
+    assert written["settings"].keys() == kept["settings"].keys()
+    assert shape(written["settings"]["data"]) == shape(kept["settings"]["data"])
+    assert written["results"][0].keys() <= kept["results"][0].keys() | {"skipped"}
+    assert out.with_suffix(".png").is_file()
+
+
+def test_soak_chat_and_defaults_keep_their_schemas(model_dir, tmp_path):
+    suite("soak", "chat", "--model", str(model_dir), "--turns", "11", "--min-tokens", "0", "--max-new-tokens", "2",
+          "--books", "1", "--threads", "1", "--out", str(tmp_path / "chat_soak.json"))
+    written, kept = written_json(tmp_path / "chat_soak.json"), committed("soak/chat_soak.json")
+    assert written["summary"].keys() == kept["summary"].keys()
+    assert written["series"].keys() == kept["series"].keys()
+    assert written["settings"]["data"]["name"] == "sample"
+    suite("soak", "defaults", "--model", str(model_dir), "--books", "Pride and Prejudice", "--chars", "2000",
+          "--max-new-tokens", "4", "--chat-turns", "1", "--out", str(tmp_path / "generation_defaults.json"))
+    written = written_json(tmp_path / "generation_defaults.json")
+    kept = committed("soak/generation_defaults.json")
+    assert written.keys() == kept.keys() and written["settings"].keys() == kept["settings"].keys()
+    assert shape(written["summaries"][0]) == shape(kept["summaries"][0])
+
+
+def test_no_committed_result_records_an_absolute_path_or_one_outside_the_repository():
+    hits = []
+    for path in sorted(RESULTS.rglob("*.json")):
+        if any(path.relative_to(RESULTS).as_posix().startswith(folder + "/") for folder in RUN_FILES):
+            continue
+        hits += [f"{path.relative_to(RESULTS)}: {s[:120]}" for s in strings(json.loads(path.read_text()))
+                 if ABSOLUTE.search(s) or "../" in s]
+    assert not hits, "\n".join(hits)
+
+
+def test_a_command_line_records_the_corpus_by_name_and_paths_relative(tmp_path):
+    corpus = tmp_path / "books.jsonl"
+    command = scrub_command(f"python -m eval speed fair --data {corpus} --out-dir {tmp_path / 'out'}")
+    assert command.startswith(f"python -m eval speed fair --data {CORPUS} --out-dir ")
+    assert not re.search(r"(^|\s)/", command) and command.endswith(os.path.relpath(tmp_path / "out"))
+    assert scrub_command("h2o-stream ppl --data=sample") == "h2o-stream ppl --data=sample"
+    record = corpus_record("sample")
+    assert record["name"] == "sample" and record["bytes"] > 0 and len(record["sha256"]) == 64
+
+
+def test_device_check_runs_as_a_script():
+    done = subprocess.run([sys.executable, "eval/device_check.py", "--help"], cwd=REPO, capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stderr
+    assert "--device" in done.stdout
+
+
+def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as done:
+        main(["quality", "gap", "--exact-dir", str(empty), "--chunked-dir", str(empty), "--out",
+              str(tmp_path / "gap.json")])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"Error: no policy has a run in both {empty} and {empty}"]
+    assert not (tmp_path / "gap.json").exists()

