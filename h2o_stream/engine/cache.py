@@ -47,13 +47,12 @@ def default_chunk_size(policy: EvictionPolicy) -> int:
     power of two up to its recent window + 1.
 
     Early queries of a chunk see up to C - 1 keys fewer than exact mode and decisions are taken once per chunk, so C
-    stays small against the budget (at cache 256 a quarter, C = 64, put tova 2.4% below and sepllm 2.4% above their
-    exact-mode PPL over 20k tokens). And a chunk shields its own tokens from every cut until it ends, where exact
-    mode shields only the recent window: a chunk up to the window + 1 wide holds no token exact mode could already
-    have cut. Wider, it flatters policies with a small window (roco, window 10: 2.1% below exact mode at C = 16, 0.4%
-    at C = 8) and most of all tova, which has none (1.2% below at C = 16 over 20k tokens, 5.0% over 60k): tova's
-    default is exact mode. Measured in eval/results/fair_chunks.json. A share of 0 makes exact mode the default
-    (roco: its compiled exact mode runs faster than its chunks of 8 did, eval/results/compiled/)."""
+    stays small against the budget (a quarter of the cache put tova and sepllm well off their exact-mode PPL). And a
+    chunk shields its own tokens from every cut until it ends, where exact mode shields only the recent window: a
+    chunk up to the window + 1 wide holds no token exact mode could already have cut. Wider, it flatters policies
+    with a small window (roco, window 10) and most of all tova, which has none and drifts further below exact mode
+    the longer the stream: tova's default is exact mode. Measured in eval/results/quality/. A share of 0 makes exact
+    mode the default (roco: its compiled exact mode runs faster than its chunks of 8 did, eval/results/speed/)."""
     if policy.budget is None or policy.band() is not None:
         return BAND_CHUNK
     shielded = 1 << (policy.split().get("recent", 0) + 1).bit_length() - 1  # largest power of two <= recent + 1

@@ -8,7 +8,7 @@ for a policy that declares how its one-entry cut is made (`EvictionPolicy.drop_o
 step), each query head attends over the `n + 1` entries (probabilities in float32, as `attend_with_scores`), the
 probabilities received become scores (summed over the query heads of a KV head, or the layer's mean; accumulated,
 decayed or replaced; for roco with their squares) and, holding budget + 1, the layer drops one entry and closes the
-gap. Exact-mode `ppl` runs 2-3x faster so, and decoding at 0.91-0.98x the raw decode step (eval/results/compiled/).
+gap. Exact-mode `ppl` and decoding run several times faster so (eval/results/speed/).
 
 It runs on the CPU in float32 or float64 with gradients off; the same numbers as the tensor path up to float rounding
 (tested against it and against the oracle, tests/test_compiled.py). Numba compiles it on first use (a few seconds,

@@ -9,7 +9,7 @@ before. This module does not import the cache: the cache imports `attach`.
 
 A forward with gradients off runs its base model under `torch.inference_mode` (entered by the first hook, left by
 the second): every operation, the model's and the cache's, then skips autograd's bookkeeping (version counters,
-view tracking); the raw decode step alone is 7-8% faster so on CPU (eval/results/inference_mode/). The LM head runs
+view tracking), which is a measurable part of a CPU decode step. The LM head runs
 after the second hook, so the logits a caller gets are ordinary tensors; hidden states the base model returns are
 inference tensors (to change one in place, clone it first). The cache's entries become inference tensors, which a
 later forward with gradients on only reads (each forward replaces them before it updates scores in place), and what

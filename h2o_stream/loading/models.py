@@ -140,10 +140,9 @@ def _copy_out_of_mapped_files(model) -> None:
 
     transformers leaves the tensors of a .safetensors file memory-mapped from the file, every one of the default
     model's 272 at an address off a 64-byte boundary. Copied out (aligned: torch's allocator gives 64 bytes), the
-    default model's raw chunked forward ran 1.10x (1 thread) and 1.02x (2 threads) as fast in
-    `eval/results/bench_weights.json`; those gains are within this machine's noise between rounds, but the copy was
-    ahead in most paired rounds of that and two earlier ad-hoc runs. The cause is not established. The copy costs a
-    fraction of a second at load; the mapping is released with the last tensor that used it. Tied weights stay tied:
+    default model's raw chunked forward was measured a little faster, by less than the noise between rounds on a
+    2-core CPU but ahead in most paired rounds; the cause is not established. The copy costs a fraction of a second
+    at load; the mapping is released with the last tensor that used it. Tied weights stay tied:
     a shared tensor is one parameter here.
     """
     for tensor in [*model.parameters(), *model.buffers()]:

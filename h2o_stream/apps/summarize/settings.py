@@ -14,7 +14,8 @@ DEFAULT_SECTION_MAX_NEW_TOKENS = 96
 DEFAULT_INSTRUCTION = "Summarize the document above in a few sentences."
 DEFAULT_SECTION_INSTRUCTION = "Summarize this part of a longer document in two or three sentences."
 # Decoding: greedy, so a summary is repeatable, with transformers' two repetition controls, because the small default
-# model decoded greedily without them repeats one sentence until the token limit (eval/generation_defaults.py):
+# model decoded greedily without them repeats one sentence until the token limit
+# (eval/results/soak/generation_defaults.json):
 # CTRL's penalty of 1.2 on tokens already in the summary, and no 4 tokens twice in the same order.
 DEFAULT_TEMPERATURE = 0.0
 DEFAULT_TOP_P = 0.9  # used only when sampling (temperature > 0)

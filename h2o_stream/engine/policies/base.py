@@ -150,7 +150,7 @@ class EvictionPolicy(ABC):
     cuts_nest: ClassVar[bool] = False
     #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`, which also keeps it
     #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
-    #: per policy, eval/results/fair_chunks.json)
+    #: per policy, eval/results/quality/gap.json)
     fair_chunk_share: ClassVar[float] = 1 / 16
 
     _part_names: ClassVar[tuple[str, ...]] = ()

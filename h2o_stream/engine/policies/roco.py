@@ -35,8 +35,8 @@ class RoCoPolicy(EvictionPolicy):
     name = "roco"
     needs_scores = True
     score_squares = True
-    # exact mode by default: chunks up to its window + 1 (8) sat 0.4% below exact mode and ran slower than exact
-    # mode does compiled (eval/results/compiled/bench_compiled.json)
+    # exact mode by default: chunks up to its window + 1 (8) sat below exact mode (eval/results/quality/gap.json)
+    # and ran slower than exact mode does compiled (eval/results/speed/exact_scan.json)
     fair_chunk_share = 0.0
     parts = (Part("volatile", "slots for the entries whose attention varies most (never judged by their mean)",
                   share=0.3),
