@@ -91,11 +91,11 @@ def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_pat
 
 
 def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, board_args):
-    code, _, stderr = leaderboard(capsys, *board_args[:-2], "--out", tmp_path / "empty", "--report-only")
+    code, _, stderr = leaderboard(capsys, "--out", tmp_path / "empty", "--report-only")
     assert code == 2 and "holds no finished runs" in stderr
     assert leaderboard(capsys, *board_args)[0] == 0
     (tmp_path / "board" / "leaderboard.md").unlink()
-    code, stdout, _ = leaderboard(capsys, *board_args, "--report-only")
+    code, stdout, _ = leaderboard(capsys, "--out", tmp_path / "board", "--report-only")
     assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
 
 

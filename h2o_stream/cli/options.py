@@ -61,7 +61,7 @@ rows_option = click.option(
     "--rows", type=click.IntRange(min=1), default=1, show_default=True,
     help="Runs per model forward: up to this many runs with the same span ride as the rows of one batch, each over "
          "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
-         "on a GPU; on a CPU see eval/results/bench_rows.json.")
+         "on a GPU; on a CPU see eval/results/speed/rows.json.")
 
 ray_option = click.option(
     "--ray", "ray_address", default=None, metavar="ADDRESS",
@@ -152,11 +152,21 @@ def _setting_option(name: str, policies):
 
 
 def _parse_policy(ctx, param, value) -> list[str]:
-    return parse_list(value, str, "--policy", "policy names")
+    return _once_each(parse_list(value, str, "--policy", "policy names"), "--policy")
 
 
 def _parse_sizes(ctx, param, value) -> list[int]:
-    return parse_list(value, int, "--cache-size")
+    return _once_each(parse_list(value, int, "--cache-size"), "--cache-size")
+
+
+def _once_each(items: list, label: str) -> list:
+    """`items` without repeats, in order, with a note when there were some: a run listed twice would be computed
+    twice into the same files."""
+    unique = list(dict.fromkeys(items))
+    if len(unique) < len(items):
+        repeated = sorted({str(item) for item in items if items.count(item) > 1})
+        click.echo(f"note: {label} lists {', '.join(repeated)} more than once; each runs once", err=True)
+    return unique
 
 
 def _parse_size(ctx, param, value) -> int:

@@ -28,11 +28,11 @@ from tqdm import tqdm
 from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
-from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
+from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
 from h2o_stream.version import __version__
 from .binding import check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
 from .interrupt import Interrupted, StopRequest
-from .report import plot_curves, results_in, title_of
+from .report import check_comparable, plot_curves, results_in, title_of
 from .rows import RunRows
 from .run import PerplexityRun, forward_span, skip_tokens_of
 
@@ -111,6 +111,9 @@ class Sweep:
                                  wide_chunks=self.wide_chunks, span=self.span)
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
+        # the reports cover every result in `out`: one made on another stream or model would be ranked beside these
+        check_comparable(results_in(out), out, {**base, "rolling": self.rolling, "reset_per_book": self.reset_per_book},
+                         "the runs of this command")
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
         fixed_positions = not self.rolling and not self.reset_per_book
         context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
@@ -133,6 +136,10 @@ class Sweep:
         if existing and not self.resume:
             raise H2OStreamError(f"{out} already holds results ({existing[0].name}, ...); pass --resume to continue "
                                  "those runs or choose another --out")
+        corpus = corpus_directory(self.data)
+        if corpus is not None and corpus in (out.resolve(), *out.resolve().parents):
+            raise H2OStreamError(f"--out {out} is inside the corpus --data {self.data}: the results written there "
+                                 "would be read as books of the corpus; choose an --out outside it")
         if next(iter_books(self.data), None) is None:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
 
