@@ -11,24 +11,22 @@ import math
 import pkgutil
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import click
 import pytest
 import torch
 from click.testing import CliRunner
-from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
 from tiny_models import random_ids, save_tiny_model_dir, tiny_model
 
 import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
 from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import RECENT, split_budget
+from h2o_stream.engine.policies.base import HEAVY, RECENT, split_budget
+from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 from h2o_stream.engine.policies.slots import ages, keep_top, last_slots, top_slots
-
-ENGINE = Path(policies_package.__file__).resolve().parents[1]
 #: what conftest's `tokenizer` is trained on here: every separator mark, and words without any
 TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
                   "plain words without any marks at all", "one. two, three? four! five; six: seven"]
@@ -36,23 +34,25 @@ TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\n
 
 # -- the registry and the base class -----------------------------------------------------------------------------
 
-def test_every_module_of_the_policies_folder_is_imported_and_registers_its_policy():
-    infrastructure = {"base", "registry", "slots", "split"}
-    modules = {m.name for m in pkgutil.iter_modules(policies_package.__path__)} - infrastructure
-    registered = {cls.__module__.rsplit(".", 1)[-1] for cls in POLICIES.values()}
-    assert modules == registered
-    assert {"full", "h2o", "sink", "window"} <= set(ALL)  # the matrix the other tests draw from is not empty
-    assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova", "roco"} and set(BANDED) == {"sink", "window"}
-    assert "full" not in EVICTING and {"keydiff", "sepllm"} <= set(EVICTING) - set(SCORED) - set(BANDED)
-    assert set(TOKENIZED) == {"sepllm"} and set(TOKENIZED) <= set(ALL)  # built with the tiny tokenizer, not left out
+def test_every_policy_class_of_the_policies_folder_is_made_by_its_name():
+    """A policy file whose class misses @register would be absent from make_policy, the command line and every test
+    drawn from the registry, and nothing else would say so."""
+    defined = []
+    for found in pkgutil.iter_modules(policies_package.__path__):
+        module = importlib.import_module(f"{policies_package.__name__}.{found.name}")
+        defined += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, EvictionPolicy)
+                    and cls is not EvictionPolicy and cls.__module__ == module.__name__]
+    assert defined
+    for cls in defined:
+        cache_size = 16 if cls.parts else None
+        assert type(build(cls.name, cache_size)) is cls and POLICIES[cls.name] is cls
 
 
-def test_every_policy_hook_the_engine_and_the_perplexity_app_use_is_declared_on_the_base_class():
-    sources = [*ENGINE.glob("*.py"), *(ENGINE.parent / "apps" / "perplexity").glob("*.py")]
-    used = {name for path in sources for name in re.findall(r"\bpolicy\.(\w+)", path.read_text())}
-    assert {"budget", "band", "keep", "needs_scores", "describe", "settings"} <= used
-    assert not {name for name in used if not hasattr(EvictionPolicy, name)}
-    assert callable(EvictionPolicy.from_budget) and EvictionPolicy.parts == ()
+def test_every_kind_of_policy_the_other_tests_draw_from_has_one():
+    """The tests parametrized by tests/policy_matrix.py over scored, banded, and neither (keys or token ids), and
+    over the policies that need a tokenizer, would pass with no case at all if a kind were empty."""
+    unscored = set(EVICTING) - set(SCORED) - set(BANDED)
+    assert SCORED and BANDED and unscored and TOKENIZED and set(EVICTING) < set(ALL)
 
 
 @pytest.mark.parametrize("size, given, expected", [
@@ -67,12 +67,38 @@ def test_a_budget_splits_by_the_declared_defaults(size, given, expected):
     assert split_budget(parts, size, given) == expected
 
 
-def test_every_hook_is_declared_on_the_base_class_with_the_h2o_defaults():
-    for hook in ("update_scores", "keep", "tokenizer_settings", "from_budget", "band"):
-        assert getattr(EvictionPolicy, hook).__doc__
-    assert (EvictionPolicy.needs_scores, EvictionPolicy.score_heads, EvictionPolicy.score_queries) == (False, "kv",
-                                                                                                       "all")
-    assert not (EvictionPolicy.needs_keys or EvictionPolicy.needs_tokens or EvictionPolicy.needs_tokenizer)
+@dataclass
+class HeaviestPolicy(EvictionPolicy):
+    """H2O's rule and nothing else: scored, with the base class's defaults for how attention becomes a score."""
+
+    heavy: int
+    recent: int
+    name = "heaviest"
+    needs_scores = True
+    parts = (HEAVY, RECENT)
+
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        return keep_top(scores[..., : positions.shape[-1] - self.recent], self.heavy, sinks=0, recent=self.recent)
+
+
+@pytest.mark.parametrize("chunk", [1, 4], ids=["exact", "chunked"])
+def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, monkeypatch):
+    """The base class's defaults are H2O's: attention received, summed over the steps, the queries of a chunk and
+    the query heads of a KV head. A new scored policy with H2O's rule keeps what h2o keeps, token for token."""
+    monkeypatch.setenv("H2O_STREAM_COMPILED", "0")  # h2o's declared cut would take the compiled loop; this one cannot
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(80)
+    runs = []
+    for policy in (make_policy("h2o", 12), HeaviestPolicy(heavy=6, recent=6)):
+        cache = StreamingCache(model, policy)
+        logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, 80, chunk)], dim=1)
+        runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
+    (h2o, h2o_kept, evicted), (new, new_kept, new_evicted) = runs
+    assert evicted > 0 and new_evicted == evicted
+    assert torch.equal(new, h2o) and all(torch.equal(a, b) for a, b in zip(new_kept, h2o_kept))
+
+
+def test_h2o_adds_a2sf_forgets_and_tova_replaces_the_attention_received():
     scores = torch.tensor([[[1.0, 2.0]]])
     make_policy("h2o", 16).update_scores(scores, torch.tensor([[[0.5, 0.25]]]))
     assert scores.tolist() == [[[1.5, 2.25]]]
@@ -99,7 +125,7 @@ def test_bad_declarations_are_refused():
         register(type("SquaresOfLayerMeans", (EvictionPolicy,), {"name": "squares-of-means", "score_squares": True,
                                                                  "needs_scores": True, "score_heads": "layer",
                                                                  "keep": lambda *a: None}))
-    assert POLICIES["h2o"].__name__ == "H2OPolicy" and "two-rests" not in POLICIES
+    assert POLICIES["h2o"] is H2OPolicy and "two-rests" not in POLICIES
     assert not {"squares-of-nothing", "squares-of-means"} & set(POLICIES)
 
 
@@ -210,8 +236,9 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     runner = CliRunner()
     text = " ".join(runner.invoke(probe, ["--help"]).output.split())
     assert "--oldest SLOTS oldest: the stream's first entries (default: 0.25 of the cache size)." in text
-    assert "--recent SLOTS a2sf, h2o, h2o_sinks, keydiff, sepllm, sink, window, oldest: recent-window slots" in text
-    assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, roco, sepllm, sink, tova, window, oldest." in text
+    takers = [name for name, cls in POLICIES.items() if RECENT in cls.parts]  # roco's recent part has its own help
+    assert "oldest" in takers and f"--recent SLOTS {', '.join(takers)}: recent-window slots" in text
+    assert f"Eviction policy: {', '.join(POLICIES)}." in text  # every registered policy, the new one too
     result = runner.invoke(probe, ["--oldest", "3"])
     assert json.loads(result.output) == ["oldest", 32, {"oldest": 3}, "oldest(oldest=3, recent=29)"]
     # settings that are not slot counts get options too: a value of their default's type, a flag for a bool
