@@ -1,11 +1,35 @@
-"""Shared test set-up: one torch thread count, no autograd, and the tiny chat-style model every chat/summarize test
-uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it)."""
+"""Shared test set-up: every test in an empty working directory of its own and an environment without the user's
+Hugging Face or h2o-stream settings; one torch thread count, no autograd; and the tiny chat-style model every
+chat/summarize test uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it)."""
 
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
-import pytest
-import torch
+#: the user's settings that change what huggingface_hub, transformers or h2o-stream do (HF_HUB_OFFLINE=1 makes a
+#: missing model an "offline mode" error, H2O_STREAM_COMPILED=0 switches the compiled loop off): no test sees them
+USER_SETTINGS = ("HF_", "HUGGINGFACE_", "TRANSFORMERS_", "H2O_STREAM_")
+#: kept: where the default model was converted once (the slow tests load it from there instead of downloading it)
+KEPT_SETTINGS = frozenset({"H2O_STREAM_CACHE"})
+
+
+def users_setting(name: str) -> bool:
+    """Whether the environment variable `name` is one of the user's settings that tests run without."""
+    return name.startswith(USER_SETTINGS) and name not in KEPT_SETTINGS
+
+
+# Removed before anything imports huggingface_hub, which reads HF_HUB_OFFLINE, HF_HOME, ... once, at import.
+for _name in [name for name in os.environ if users_setting(name)]:
+    del os.environ[_name]
+#: what every test runs with instead: a Hugging Face cache of the test run's own (empty: nothing the user has
+#: downloaded changes an outcome, and nothing is written into the user's cache) and no chat history file
+TEST_SETTINGS = {"HF_HOME": tempfile.mkdtemp(prefix="h2o-stream-tests-hf-"), "H2O_STREAM_CHAT_HISTORY": ""}
+os.environ.update(TEST_SETTINGS)
+
+import pytest  # noqa: E402  (after the environment is cleaned)
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
@@ -15,6 +39,29 @@ from tiny_models import bpe_tokenizer, tiny_llama  # noqa: E402  (needs the path
 #: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
 DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.",
                           "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
+
+
+def pytest_unconfigure(config):
+    shutil.rmtree(TEST_SETTINGS["HF_HOME"], ignore_errors=True)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_working_directory(tmp_path_factory):
+    """Module- and session-scoped fixtures, too, run in an empty directory rather than wherever pytest started."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.chdir(tmp_path_factory.mktemp("session-cwd"))
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _hermetic(monkeypatch, tmp_path_factory):
+    """Each test in an empty working directory of its own (not `tmp_path`, which tests list), with the cleaned
+    environment: anything a test or the code under test set in os.environ is gone again for the next test."""
+    for name in [name for name in os.environ if users_setting(name)]:
+        monkeypatch.delenv(name)
+    for name, value in TEST_SETTINGS.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(autouse=True)

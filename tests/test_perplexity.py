@@ -242,7 +242,8 @@ def test_corrupt_gguf_model(corpus, tmp_path, capsys):
 def test_directory_without_usable_files(model_dir, tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.csv").write_text("a,b")
-    assert "no usable files" in _error(["--model", model_dir, "--data", tmp_path / "d"], capsys)
+    assert "no usable files" in _error(["--model", model_dir, "--data", tmp_path / "d", "--out", tmp_path / "o"],
+                                       capsys)
 
 
 @pytest.mark.parametrize("args, message", [
