@@ -21,6 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from h2o_stream.errors import H2OStreamError
+
 from .protocol import ApiError, chunk, completion, completion_id, models_list, parse_body, sse, too_large
 from .service import Service
 
@@ -176,9 +178,9 @@ def _auth_header(error: ApiError) -> dict:
     return {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
 
 
-def run(service: Service, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
-    """Serve `service` over HTTP on host:port (port 0: a free one) until SIGINT or SIGTERM. `on_ready(url)` is called
-    with the base URL once the socket is bound, before the first request can arrive."""
+def make_server(service: Service, host: str, port: int, *, log_level: str = "info"):
+    """A uvicorn server for `service` and the socket it will serve on (bound now: port 0 picks a free one), and the
+    base URL clients use. `server.run(sockets=[sock])` serves until SIGINT or SIGTERM (or `server.should_exit`)."""
     import socket
 
     import uvicorn
@@ -190,13 +192,15 @@ def run(service: Service, host: str, port: int, *, log_level: str = "info", on_r
         sock.bind((host, port))
     except OSError as error:
         sock.close()
-        from h2o_stream.errors import H2OStreamError
-
         raise H2OStreamError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
-    bound = sock.getsockname()[1]
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    return uvicorn.Server(config), sock, f"http://{shown}:{sock.getsockname()[1]}/v1"
+
+
+def run(service: Service, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
+    """Serve `service` on host:port until SIGINT or SIGTERM; `on_ready(url)` is called once the socket is bound."""
+    server, sock, url = make_server(service, host, port, log_level=log_level)
     if on_ready is not None:
-        on_ready(f"http://{shown}:{bound}/v1")
+        on_ready(url)
     server.run(sockets=[sock])
