@@ -15,6 +15,7 @@ from h2o_stream.errors import H2OStreamError
 from .chat import chat
 from .leaderboard import leaderboard
 from .ppl import ppl
+from .serve import serve
 from .summarize import summarize
 
 
@@ -24,7 +25,7 @@ def cli():
     """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks, and newer policies)."""
 
 
-for _command in (ppl, leaderboard, chat, summarize):
+for _command in (ppl, leaderboard, chat, summarize, serve):
     cli.add_command(_command)
 
 
