@@ -25,7 +25,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
+from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
@@ -165,11 +165,12 @@ class Sweep:
         return dataclasses.replace(self, specs=[(name, specs[name]) for name in names])
 
     def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
-            stop: StopRequest | None = None) -> list[dict]:
+            stop: StopRequest | None = None, report: bool = True) -> list[dict]:
         """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
         `resume`); writes the files and returns the results of every run in `out`. `note` receives one line per event
         worth telling a user (a run starts, resumes, runs out of corpus). With `stop`, a requested stop checkpoints
-        after the current forward and raises `Interrupted`."""
+        after the current forward and raises `Interrupted`. Without `report`, no reports are written (nor results
+        returned): a worker's share leaves them to the parent."""
         out = Path(self.out)
         new_run, plans = self.check_runs(model, tokenizer, model_name)
         policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans))
@@ -189,7 +190,7 @@ class Sweep:
                         self.checkpoint_every, stop, ", ".join(names))
                 for name, run in zip(names, runs):
                     self._finish(name, run, len(runs), note)
-        return write_reports(out)
+        return write_reports(out) if report else []
 
     def _start(self, name: str, policy: EvictionPolicy, new_run, position: int, note) -> PerplexityRun:
         run = new_run(policy)
@@ -216,9 +217,12 @@ def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: St
     arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all."""
     from h2o_stream.loading.models import load_model
 
+    for _, policy in sweep.specs:  # a policy registered at run time in the parent is known here by its class alone
+        if type(policy).name not in POLICIES:
+            register(type(policy))
     loaded = load_model(**loading)
-    for names in groups:
-        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
+    for names in groups:  # the reports over every run are the parent's to write, once all have finished
+        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, report=False)
 
 
 def write_reports(out: Path) -> list[dict]:
