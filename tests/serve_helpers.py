@@ -51,6 +51,7 @@ def served(model, tokenizer, state_dir, **settings):
     limits = settings.pop("limits", Limits(max_tokens=4096))
     service = Service(model, tokenizer, ServeSettings(state_dir=Path(state_dir), served_model=MODEL, limits=limits,
                                                       **settings))
+    service.start()  # as the command does: a state directory in use is refused here, before the server starts
     server, sock, url = make_server(service, "127.0.0.1", 0, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
