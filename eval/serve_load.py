@@ -203,3 +203,31 @@ def plot(result: dict, path) -> None:
     save_figure(fig, path, f"h2o-stream serve: {s['conversations']} conversations x {s['turns']} turns, "
                            f"{s['in_memory']} in memory, cache {s['cache_size']}, {s['server_threads']} threads; "
                            f"{result['tokens_per_second']:.1f} tok/s overall, RSS x{result['rss']['ratio']:.3f}")
+
+
+def serve_section(res, page) -> list[str]:
+    """docs/results.md's section for eval/results/serve/load.json (called by eval.results_page)."""
+    from eval.results_page import num, source, table
+
+    result = res.get("serve/load.json")
+    if not result:
+        return []
+    s, rss, ttft = result["settings"], result["rss"], result["ttft_seconds"]
+    passed = ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in result["passed"].items())
+    lines = ["## Serve under load", "",
+             f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
+             f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
+             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client.", ""]
+    lines += table(["measure", "value"], [
+        ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
+        ["later turns recognised (only the new message fed)", f"{result['recognised']} of {result['later_turns']}"],
+        ["tokens fed per later turn, median", num(result["fed_tokens_later_turns_median"], 0)],
+        ["time to first token p50 / p95 / max", f"{num(ttft['p50'])} / {num(ttft['p95'])} / {num(ttft['max'])} s"],
+        ["reply tokens per second, all conversations together", num(result["tokens_per_second"])],
+        ["reply tokens per second of one request, median", num(result["per_request_tokens_per_second_median"])],
+        ["server RSS at warm-up → largest after", f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
+                                                  f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
+                                                  f"({num(rss['ratio'], 3)}×)"],
+        ["wall time", f"{num(result['wall_seconds'], 0)} s"],
+        ["pass", passed]], {1})
+    return lines + [source(res, "serve/load.json"), ""] + res.figure("serve/load.png", page, "serve under load")

@@ -156,3 +156,23 @@ def test_conversations_stream_side_by_side(server, model, tokenizer):
     for thread in threads:
         thread.join(timeout=60)
     assert results == {k: reference(model, tokenizer, system=f"helper {k}").chat(f"hello {k}").text for k in range(4)}
+
+
+def test_requests_beyond_the_queue_get_429_and_the_server_goes_on(model, tokenizer, tmp_path):
+    with served(model, tokenizer, tmp_path, max_queue=1) as running:
+        client = running.client()
+        long = client.chat.completions.create(model=MODEL, messages=conversation([], "hello"), temperature=0,
+                                              max_tokens=4000, stream=True)
+        next(iter(long))  # under way, and the only request the queue takes
+        with pytest.raises(openai.RateLimitError) as refused:
+            client.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY)
+        assert refused.value.body["code"] == "server_busy"
+        long.close()
+        for _ in range(200):  # the worker lets the cancelled turn go at its next step
+            try:
+                assert client.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY).choices
+                break
+            except openai.RateLimitError:
+                threading.Event().wait(0.05)
+        else:
+            pytest.fail("the server stayed busy")

@@ -169,3 +169,18 @@ def test_an_unreadable_index_is_reported_and_a_second_server_is_refused(model, t
             pass
         _, again = _talk(server.client(), [], "hello")  # served anew, from the client's history
         assert again["how"] == "new"
+
+
+def test_conversations_of_another_model_are_not_matched_and_their_files_are_kept(model, tokenizer, tmp_path):
+    from tiny_models import tiny_llama
+
+    with served(model, tokenizer, tmp_path) as server:
+        text, info = _talk(server.client(), [], "hello")
+    files = {p.name: p.read_bytes() for p in (tmp_path / "conversations").iterdir()}
+    with served(tiny_llama(len(tokenizer), seed=1), tokenizer, tmp_path) as server:
+        _, other = _talk(server.client(), [("hello", text)], "and now?")
+        assert other["how"] == "new" and other["replayed_turns"] == 1 and other["notices"] == []
+    assert all((tmp_path / "conversations" / name).read_bytes() == data for name, data in files.items())
+    with served(model, tokenizer, tmp_path) as server:  # the first model again: its conversation is there
+        _, again = _talk(server.client(), [("hello", text)], "and now?")
+        assert again["how"] == "continued" and again["conversation"] == info["conversation"]
