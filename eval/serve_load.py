@@ -72,9 +72,13 @@ def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int
     command = [sys.executable, "-m", "h2o_stream", "serve", "--port", "0", "--state-dir", state, "--in-memory",
                str(in_memory), "--cache-size", str(cache_size), "--threads", str(threads), "--log-level", "warning",
                "--model-name", "model"]
-    if model_spec:
-        command += ["--model", model_spec]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True)
+    return start_server(command + (["--model", model_spec] if model_spec else []))
+
+
+def start_server(command: list[str], **popen) -> tuple[subprocess.Popen, str]:
+    """Run an `h2o-stream serve` command line; the process and its base URL, read from its start line (BadInput,
+    with its last lines, if it exits first). Its stderr goes on being read, so that it never blocks on a full pipe."""
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, text=True, **popen)
     seen = []
     for line in process.stderr:
         seen.append(line)
@@ -214,10 +218,10 @@ def serve_section(res, page) -> list[str]:
         return []
     s, rss, ttft = result["settings"], result["rss"], result["ttft_seconds"]
     passed = ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in result["passed"].items())
-    lines = ["## Serve under load", "",
-             f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
+    intro = (f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
              f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
-             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client.", ""]
+             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client.")
+    lines = ["## Serve under load", "", intro, ""]
     lines += table(["measure", "value"], [
         ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
         ["later turns recognised (only the new message fed)", f"{result['recognised']} of {result['later_turns']}"],
@@ -225,9 +229,9 @@ def serve_section(res, page) -> list[str]:
         ["time to first token p50 / p95 / max", f"{num(ttft['p50'])} / {num(ttft['p95'])} / {num(ttft['max'])} s"],
         ["reply tokens per second, all conversations together", num(result["tokens_per_second"])],
         ["reply tokens per second of one request, median", num(result["per_request_tokens_per_second_median"])],
-        ["server RSS at warm-up → largest after", f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
-                                                  f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
-                                                  f"({num(rss['ratio'], 3)}×)"],
+        ["server RSS at warm-up → largest after", (f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
+                                                   f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
+                                                   f"({num(rss['ratio'], 3)}×)")],
         ["wall time", f"{num(result['wall_seconds'], 0)} s"],
         ["pass", passed]], {1})
     return lines + [source(res, "serve/load.json"), ""] + res.figure("serve/load.png", page, "serve under load")

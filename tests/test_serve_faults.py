@@ -4,22 +4,19 @@ turn is saved, damaged and crafted session files, an unreadable index, and a sec
 from __future__ import annotations
 
 import errno
-import hashlib
-import io
-import json
 import os
 import signal
 import time
 
 import openai
 import pytest
-import torch
 from serve_helpers import GREEDY, MODEL, conversation, extra, reply_of, serve_process, served
+from test_ppl_files import crafted_body, with_header  # a file that runs code if unpickled unsafely
 
 import h2o_stream.files
 from h2o_stream.apps.chat.session_file import SESSION_FORMAT, SESSION_VERSION
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.files import MAGIC, WRITE_DELAY_ENV, read_verified
+from h2o_stream.files import WRITE_DELAY_ENV, read_verified
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "user assistant system"]
 
@@ -107,24 +104,6 @@ def test_a_full_disk_while_saving_keeps_the_last_good_file(model, tokenizer, tmp
         assert info["how"] == "continued" and info["reused_turns"] == 1
 
 
-class RunsCode:
-    def __init__(self, marker):
-        self.marker = str(marker)
-
-    def __reduce__(self):
-        return exec, (f"open({self.marker!r}, 'w').write('code ran')",)
-
-
-def _crafted(marker) -> bytes:
-    """A session file with a correct header and digest whose body would run code when unpickled."""
-    buffer = io.BytesIO()
-    torch.save({"model": RunsCode(marker)}, buffer)
-    body = buffer.getvalue()
-    header = {"kind": SESSION_FORMAT, "version": SESSION_VERSION, "bytes": len(body),
-              "sha256": hashlib.sha256(body).hexdigest()}
-    return MAGIC + json.dumps(header).encode() + b"\n" + body
-
-
 @pytest.mark.parametrize("damage", ["flipped byte", "crafted"])
 def test_a_damaged_or_crafted_session_file_is_refused_reported_and_never_run(model, tokenizer, tmp_path, caplog,
                                                                              damage):
@@ -139,7 +118,7 @@ def test_a_damaged_or_crafted_session_file_is_refused_reported_and_never_run(mod
         record = server.store.records[info["conversation"]]
         path = server.store.path(record.file)
         if damage == "crafted":
-            path.write_bytes(_crafted(marker))
+            path.write_bytes(with_header(crafted_body(marker), SESSION_FORMAT, SESSION_VERSION))
         else:
             data = bytearray(path.read_bytes())
             data[len(data) // 2] ^= 0xFF
