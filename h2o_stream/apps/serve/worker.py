@@ -140,15 +140,17 @@ class Worker:
                 self._pending.remove(job)
                 self._finish(job)
                 continue
-            plan = self.conversations.plan(job.request.history, job.request.conversation)
-            if plan is None:
-                continue
-            self._pending.remove(job)
-            job.plan = plan
             try:
+                plan = self.conversations.plan(job.request.history, job.request.conversation)
+                if plan is None:
+                    continue
+                self._pending.remove(job)
+                job.plan = plan
                 # opened now, in the order planned: a file it starts from cannot be replaced by another turn first
                 opened = self.conversations.open(plan, job.request.history, job.request.policy)
             except Exception as error:  # noqa: BLE001 - anything at all: this request fails, the server goes on
+                if job in self._pending:
+                    self._pending.remove(job)
                 self._end(job, _api_error(error))
                 continue
             job.steps = self._turn(job, *opened)
