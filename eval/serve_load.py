@@ -7,7 +7,8 @@ Recorded: every request's time to first token (from sending it to the first text
 message, the first token), its reply tokens and time; the server's resident memory sampled every half second; the
 tokens the server fed for each turn (the new message only, when the conversation was recognised). Pass criteria: no
 failed request, every turn after the first of its conversation recognised (nothing but the new message fed), and RSS
-flat: the largest RSS after warm-up (every conversation through its second turn) <= 1.1 x the RSS at warm-up's end.
+flat: the largest RSS after warm-up (once every conversation's cache holds its whole budget) <= 1.1 x the RSS at
+warm-up's end.
 User messages are fixed short questions (no corpus); replies are sampled with the chat's settings, seeded per
 conversation, and kept short (--max-tokens) so that the run takes about ten minutes on 2 cores.
 """
@@ -56,7 +57,7 @@ def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, t
     with tempfile.TemporaryDirectory(prefix="h2o-stream-serve-load-") as state:
         process, url = _start(model_spec, state, in_memory, cache_size, threads)
         try:
-            result = _load(process, url, conversations, turns, max_tokens)
+            result = _load(process, url, conversations, turns, max_tokens, cache_size)
         finally:
             process.terminate()
             process.wait(timeout=60)
@@ -90,7 +91,7 @@ def start_server(command: list[str], **popen) -> tuple[subprocess.Popen, str]:
     raise BadInput("the server did not start:\n" + "".join(seen[-20:]))
 
 
-def _load(process, url: str, conversations: int, turns: int, max_tokens: int) -> dict:
+def _load(process, url: str, conversations: int, turns: int, max_tokens: int, budget: int) -> dict:
     import openai
     import psutil
 
@@ -146,20 +147,23 @@ def _load(process, url: str, conversations: int, turns: int, max_tokens: int) ->
     wall = time.perf_counter() - started
     stop.set()
     sampler.join()
-    return summarize(requests, failures, rss, wall, conversations, turns)
+    return summarize(requests, failures, rss, wall, conversations, turns, budget)
 
 
 def summarize(requests: list[dict], failures: list[dict], rss: list, wall: float, conversations: int,
-              turns: int) -> dict:
+              turns: int, budget: int) -> dict:
     """The run's figures and pass criteria from its requests and RSS samples."""
     if not requests:
         raise BadInput(f"no request succeeded: {failures[:3]}")
     ttft = sorted(r["ttft"] for r in requests)
     tokens = sum(r["completion_tokens"] for r in requests)
     later = [r for r in requests if r["turn"] > 0]
-    warm = max((r["sent"] + r["seconds"] for r in requests if r["turn"] == 1), default=0.0)
+    warm, rule = _warm_up(requests, budget)
     at_warm = next((v for t, v in rss if t >= warm), rss[-1][1])
     after = [v for t, v in rss if t >= warm] or [at_warm]
+    # for comparison: from when every conversation finished its second turn (caches still filling)
+    second = max((r["sent"] + r["seconds"] for r in requests if r["turn"] == min(1, turns - 1)), default=0.0)
+    at_second = next((v for t, v in rss if t >= second), rss[-1][1])
     return {
         "requests": len(requests), "expected_requests": conversations * turns, "failed": len(failures),
         "failures": failures,
@@ -170,8 +174,10 @@ def summarize(requests: list[dict], failures: list[dict], rss: list, wall: float
         "recognised": sum(r["how"] == "continued" and r["replayed_turns"] == 0 for r in later),
         "later_turns": len(later),
         "fed_tokens_later_turns_median": statistics.median(r["fed_tokens"] for r in later) if later else 0,
-        "rss": {"warm_up_seconds": warm, "at_warm_up_bytes": at_warm, "max_after_warm_up_bytes": max(after),
-                "ratio": max(after) / at_warm, "first_bytes": rss[0][1], "last_bytes": rss[-1][1]},
+        "rss": {"warm_up_seconds": warm, "warm_up_ends": rule, "at_warm_up_bytes": at_warm,
+                "max_after_warm_up_bytes": max(after), "ratio": max(after) / at_warm, "first_bytes": rss[0][1],
+                "last_bytes": rss[-1][1], "at_second_turns_bytes": at_second,
+                "ratio_after_second_turns": max([v for t, v in rss if t >= second] or [at_second]) / at_second},
         "passed": {"no_failed_request": not failures and len(requests) == conversations * turns,
                    "every_later_turn_recognised": all(r["how"] == "continued" and r["replayed_turns"] == 0
                                                       for r in later),
@@ -179,6 +185,18 @@ def summarize(requests: list[dict], failures: list[dict], rss: list, wall: float
         "rss_samples": [[round(t, 2), v] for t, v in rss],
         "per_request": sorted(requests, key=lambda r: r["sent"]),
     }
+
+
+def _warm_up(requests: list[dict], budget: int) -> tuple[float, str]:
+    """When warm-up ends: once every conversation's cache holds its whole budget (from then on no conversation's
+    memory can grow), or, if some never fill, once every conversation has finished its second turn."""
+    full: dict[int, float] = {}
+    for r in sorted(requests, key=lambda r: r["sent"] + r["seconds"]):
+        if r["cache_slots"] >= budget:
+            full.setdefault(r["conversation"], r["sent"] + r["seconds"])
+    if len(full) == len({r["conversation"] for r in requests}):
+        return max(full.values()), "every cache full"
+    return max((r["sent"] + r["seconds"] for r in requests if r["turn"] == 1), default=0.0), "every second turn done"
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -232,6 +250,9 @@ def serve_section(res, page) -> list[str]:
         ["server RSS at warm-up → largest after", (f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
                                                    f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
                                                    f"({num(rss['ratio'], 3)}×)")],
+        ["warm-up ends", f"{rss['warm_up_ends']}, at {num(rss['warm_up_seconds'], 0)} s"],
+        ["server RSS once every second turn is done → largest after (caches still filling)",
+         f"{rss['at_second_turns_bytes'] / 2**20:,.1f} MiB ({num(rss['ratio_after_second_turns'], 3)}×)"],
         ["wall time", f"{num(result['wall_seconds'], 0)} s"],
         ["pass", passed]], {1})
     return lines + [source(res, "serve/load.json"), ""] + res.figure("serve/load.png", page, "serve under load")
