@@ -4,9 +4,12 @@ that go away mid-stream, and conversations served side by side."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
+import urllib.error
+import urllib.request
 
-import httpx2 as httpx
 import openai
 import pytest
 from serve_helpers import GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
@@ -14,6 +17,16 @@ from serve_helpers import GREEDY, MODEL, conversation, extra, reference, reply_o
 from h2o_stream.apps.serve import Limits
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "user assistant system"]
+
+
+def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A request without the openai client (to send what it never would): its status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +82,7 @@ def test_an_api_key_is_required_when_set(model, tokenizer, tmp_path):
             assert refused.value.status_code == 401 and refused.value.body["code"] == "invalid_api_key"
             with pytest.raises(openai.AuthenticationError):
                 running.client(api_key=key).chat.completions.create(model=MODEL, messages=conversation([], "hi"))
-        assert httpx.get(f"{running.url}/models").status_code == 401  # no header at all
+        assert raw(f"{running.url}/models")[0] == 401  # no header at all
         good = running.client(api_key="s3cret")
         assert [m.id for m in good.models.list()] == [MODEL]
         assert good.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY).choices
@@ -92,10 +105,9 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize("body, status, says", BAD_BODIES)
 def test_bad_requests_get_openai_errors_and_the_server_goes_on(server, body, status, says):
-    answer = httpx.post(f"{server.url}/chat/completions", content=body,
-                        headers={"content-type": "application/json"})
-    assert answer.status_code == status
-    error = answer.json()["error"]
+    code, answer = raw(f"{server.url}/chat/completions", body)
+    assert code == status
+    error = answer["error"]
     assert says in error["message"] and error["type"] == "invalid_request_error"
     assert server.client().chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY).choices
 
@@ -116,7 +128,7 @@ def test_bad_fields_through_the_client_are_4xx_and_the_server_goes_on(server):
     with pytest.raises(openai.BadRequestError, match="X-Conversation-Id"):
         client.chat.completions.create(model=MODEL, messages=conversation([], "hi"),
                                        extra_headers={"X-Conversation-Id": "no spaces allowed"})
-    assert httpx.get(f"{server.url}/nowhere").json()["error"]["message"].startswith("no such route")
+    assert raw(f"{server.url}/nowhere")[1]["error"]["message"].startswith("no such route")
     assert client.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY).choices
 
 
@@ -176,3 +188,21 @@ def test_requests_beyond_the_queue_get_429_and_the_server_goes_on(model, tokeniz
                 threading.Event().wait(0.05)
         else:
             pytest.fail("the server stayed busy")
+
+
+def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "h2o_stream", "chat", "--server", server.url, "--temperature", "0",
+                          "--max-new-tokens", "4", "--system", "repl helper"],
+                         input="hello world\n/stats\ntwo plus two\n/save x.session\n", capture_output=True,
+                         text=True, timeout=120, check=False, env={**os.environ, "OMP_NUM_THREADS": "1",
+                                                      "H2O_STREAM_CHAT_HISTORY": ""})
+    ref = reference(model, tokenizer, system="repl helper")
+    replies = [ref.chat("hello world").text, ref.chat("two plus two").text]
+    assert run.stdout.startswith(replies[0] + "\n") and replies[1] + "\n" in run.stdout
+    assert "turns:           1" in run.stdout and "/save is not available with --server" in run.stderr
+    assert run.returncode == 1  # the refused /save
+    held = [r for r in server.store.records.values() if r.turns == 2]
+    assert any(r.id for r in held)
