@@ -204,5 +204,8 @@ def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer):
     assert run.stdout.startswith(replies[0] + "\n") and replies[1] + "\n" in run.stdout
     assert "turns:           1" in run.stdout and "/save is not available with --server" in run.stderr
     assert run.returncode == 1  # the refused /save
-    held = [r for r in server.store.records.values() if r.turns == 2]
-    assert any(r.id for r in held)
+    assert any(r.turns == 2 for r in server.store.records.values())
+    nobody = subprocess.run([sys.executable, "-m", "h2o_stream", "chat", "--server", "http://127.0.0.1:1"],
+                            input="hi\n", capture_output=True, text=True, timeout=120, check=False)
+    assert nobody.returncode == 2 and nobody.stderr.strip().splitlines()[-1].startswith(
+        "Error: cannot reach a server at http://127.0.0.1:1/v1")
