@@ -238,7 +238,9 @@ def serve_section(res, page) -> list[str]:
     passed = ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in result["passed"].items())
     intro = (f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
              f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
-             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client.")
+             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client. One "
+             "model worker serves every turn, so time to first token is mostly waiting for a turn slot and for the "
+             "other turns' steps; the speeds are what this run got on a machine shared with other jobs.")
     lines = ["## Serve under load", "", intro, ""]
     lines += table(["measure", "value"], [
         ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
