@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
 import subprocess
 import sys
 import threading
@@ -19,6 +18,8 @@ from pathlib import Path
 import openai
 import pytest
 
+from eval.common import BadInput
+from eval.serve_load import start_server
 from h2o_stream import make_policy
 from h2o_stream.apps.chat import ChatSession, chat_sampling
 from h2o_stream.apps.serve import Limits, ServeSettings, Service
@@ -51,6 +52,7 @@ def served(model, tokenizer, state_dir, **settings):
     limits = settings.pop("limits", Limits(max_tokens=4096))
     service = Service(model, tokenizer, ServeSettings(state_dir=Path(state_dir), served_model=MODEL, limits=limits,
                                                       **settings))
+    service.start()  # as the command does: a state directory in use is refused here, before the server starts
     server, sock, url = make_server(service, "127.0.0.1", 0, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -73,16 +75,10 @@ def serve_process(model_dir, state_dir, *extra, env=None) -> tuple[subprocess.Po
                "--state-dir", str(state_dir), "--port", "0", "--cache-size", str(CACHE), "--threads", "1",
                "--log-level", "warning", *extra]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-    process = subprocess.Popen(command, cwd=state_dir, env=environment, stderr=subprocess.PIPE, text=True)
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        found = re.search(r"at (http://\S+/v1)", line)
-        if found:
-            threading.Thread(target=lambda: [lines.append(x) for x in process.stderr], daemon=True).start()
-            return process, found[1]
-    process.wait()
-    pytest.fail("the server did not start:\n" + "".join(lines))
+    try:
+        return start_server(command, cwd=state_dir, env=environment)
+    except BadInput as error:
+        pytest.fail(str(error))
 
 
 def reply_of(response) -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from h2o_stream.apps.chat import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, chat_sampling
-from h2o_stream.apps.chat.session_file import policy_from_settings
+from h2o_stream.apps.chat.session_file import model_fingerprint, policy_from_settings
 from h2o_stream.engine.policies import make_policy
 from h2o_stream.errors import H2OStreamError
 
@@ -52,6 +52,9 @@ class Service:
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self.model_name = model_name or settings.served_model
         self.default_policy = self._policy(settings.policy, settings.cache_size, settings.parts).settings()
+        # part of every history's digest: a conversation saved with another model is another conversation (its
+        # files stay as they are, for when that model is served again)
+        self._model_key = {k: v for k, v in model_fingerprint(model).items() if k != "name"}
         self.store = Store(settings.state_dir)
         self.worker: Worker | None = None
 
@@ -106,7 +109,8 @@ class Service:
                 policy = self._policy(name, request.cache_size or self.settings.cache_size, parts).settings()
             except H2OStreamError as error:
                 raise ApiError(400, f"policy/cache_size: {error}", param="policy") from None
-        history = parse_history(request.messages, {"policy": policy, "rolling": self.settings.rolling})
+        history = parse_history(request.messages, {"policy": policy, "rolling": self.settings.rolling,
+                                                   "model": self._model_key})
         sampling = {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
                     "repetition_penalty": request.repetition_penalty, "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens}
         return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))

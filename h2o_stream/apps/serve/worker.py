@@ -84,6 +84,7 @@ class Worker:
         self._count = 0  # jobs submitted and not finished
         self._count_lock = threading.Lock()
         self._stopping = threading.Event()
+        self._changed = False  # a job arrived or ended since waiting jobs were last tried
         self._thread = threading.Thread(target=self._run, name="h2o-stream-model", daemon=True)
 
     def start(self) -> None:
@@ -111,7 +112,9 @@ class Worker:
         with torch.no_grad():
             while not self._stopping.is_set():
                 self._take(block=not self._active)
-                self._start_waiting()
+                if self._changed or any(job.cancelled for job in self._pending):
+                    self._changed = False
+                    self._start_waiting()
                 if self._active:
                     self._step(self._active.popleft())
             for job in [*self._active, *self._pending, *self._drain()]:
@@ -124,6 +127,7 @@ class Worker:
             return
         self._pending.append(job)
         self._pending.extend(self._drain())
+        self._changed = True
 
     def _drain(self) -> list[Job]:
         jobs = []
@@ -140,15 +144,17 @@ class Worker:
                 self._pending.remove(job)
                 self._finish(job)
                 continue
-            plan = self.conversations.plan(job.request.history, job.request.conversation)
-            if plan is None:
-                continue
-            self._pending.remove(job)
-            job.plan = plan
             try:
+                plan = self.conversations.plan(job.request.history, job.request.conversation)
+                if plan is None:
+                    continue
+                self._pending.remove(job)
+                job.plan = plan
                 # opened now, in the order planned: a file it starts from cannot be replaced by another turn first
                 opened = self.conversations.open(plan, job.request.history, job.request.policy)
             except Exception as error:  # noqa: BLE001 - anything at all: this request fails, the server goes on
+                if job in self._pending:
+                    self._pending.remove(job)
                 self._end(job, _api_error(error))
                 continue
             job.steps = self._turn(job, *opened)
@@ -174,7 +180,10 @@ class Worker:
     def _end(self, job: Job, error: ApiError | None) -> None:
         """Stop `job` without completing its turn: the conversation stays at its last completed turn."""
         if job.steps is not None:
-            job.steps.close()  # ends a reply under way (GeneratorExit inside the session's turn)
+            try:
+                job.steps.close()  # ends a reply under way (GeneratorExit inside the session's turn)
+            except Exception as failure:  # noqa: BLE001 - the session is dropped below anyway; the worker goes on
+                log.warning("closing a turn failed: %s", one_line(failure))
         if job.plan is not None:
             self.conversations.abandon(job.plan)
         if error is not None:
@@ -185,6 +194,7 @@ class Worker:
 
     def _finish(self, job: Job) -> None:
         job.finished = True
+        self._changed = True  # its conversation (and a turn slot) may be free for a waiting job
         with self._count_lock:
             self._count -= 1
 
