@@ -30,8 +30,19 @@ def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path)
     assert again.stderr.count("already done") == 4  # finished runs are kept, whatever runs the sweep next
 
 
-def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, monkeypatch):
+@pytest.fixture
+def no_cluster_here(monkeypatch):
+    """No Ray cluster runs on this machine, whatever does: `auto` finds one by its processes and by /tmp/ray, and
+    would find another user's, or the one a previous test's `--ray local` is still shutting down."""
+    from ray._private import services
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "_find_address_from_flag", lambda flag: set())  # no raylet process found
+    services.find_gcs_addresses.cache_clear()  # nor one remembered from an earlier look
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir=None: None)
+
+
+def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, no_cluster_here):
     code, _, err = ppl(capsys, "--model", ppl_model_dir, "--data", write_corpus(tmp_path / "c.jsonl"), "--tokens",
                        100, "--cache-size", 16, "--out", tmp_path / "o", "--ray", "auto")
     assert code == 2 and "cannot reach a Ray cluster at 'auto'" in err, err
