@@ -1,6 +1,7 @@
 """Shared test set-up: every test in an empty working directory of its own and an environment without the user's
-Hugging Face or h2o-stream settings; one torch thread count, no autograd; and the tiny chat-style model every
-chat/summarize test uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it)."""
+Hugging Face or h2o-stream settings; one torch thread count, no autograd; the tiny chat-style model every
+chat/summarize test uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it),
+saved as a model directory and as a GGUF file; and the character-tokenizer model directory of the ppl tests."""
 
 import os
 import shutil
@@ -34,7 +35,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
-from tiny_models import bpe_tokenizer, tiny_llama  # noqa: E402  (needs the path above)
+from model_files import write_tiny_gguf  # noqa: E402  (needs the path above)
+from tiny_models import bpe_tokenizer, save_tiny_model_dir, tiny_llama  # noqa: E402
 
 #: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
 DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.",
@@ -89,3 +91,15 @@ def model_dir(tmp_path_factory, model, tokenizer):
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory, model):
+    """`model` as the only file of a directory: tiny.gguf."""
+    return write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def ppl_model_dir(tmp_path_factory):
+    """A tiny llama with a character tokenizer (it adds a BOS), as a model directory: what the ppl tests run."""
+    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-ppl-model"), init_std=0.2)

@@ -15,7 +15,7 @@ from h2o_stream.cli import main
 from h2o_stream.cli.chat import chat
 from h2o_stream.cli.summarize import summarize as summarize_command
 from policy_matrix import ALL
-from ppl_helpers import ppl, ppl_error, ppl_model_dir, result, write_corpus  # noqa: F401
+from ppl_helpers import ppl, ppl_error, result, write_corpus
 
 torch.set_num_threads(1)
 

@@ -10,8 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import command, ppl, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
-from test_ppl_faults import wait_for
+from ppl_helpers import command, ppl, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.files import WRITE_DELAY_ENV
 
@@ -25,7 +24,7 @@ def leaderboard(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.fixture
-def board_args(tmp_path, ppl_model_dir):  # noqa: F811
+def board_args(tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     return ["--model", ppl_model_dir, "--data", corpus, "--policy", POLICIES, "--cache-size", "16,32",
             "--tokens", 300, "--out", tmp_path / "board"]
@@ -73,7 +72,7 @@ def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(cap
     assert json.loads(again["tova-32.json"])["nll_sum"] == json.loads(results["tova-32.json"])["nll_sum"]
 
 
-def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):  # noqa: F811
+def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):
     """The leaderboard always resumes, so the command it prints is the one given (it has no --resume option)."""
     args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
             "--cache-size", 16, "--tokens", 3000, "--checkpoint-every", 40, "--threads", 1, "--out", tmp_path / "b"]
@@ -99,7 +98,7 @@ def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, bo
     assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
 
 
-def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):  # noqa: F811
+def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--tokens", 200,
             "--out", tmp_path / "out"]

@@ -15,17 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_files import logits, write_tiny_gguf
+from model_files import logits
 
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading import default_model
 from h2o_stream.loading.default_model import DEFAULT_MODEL, cache_dir, default_gguf_path
 from h2o_stream.loading.models import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, model):
-    return write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
-from tiny_models import random_ids, save_tiny_model_dir, tiny_model
+from tiny_models import random_ids, tiny_model
 
 import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
@@ -267,13 +267,12 @@ def ppl_with_oldest():
         importlib.reload(ppl_module)
 
 
-def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, tmp_path, capsys):
+def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, ppl_model_dir, tmp_path, capsys):
     import h2o_stream
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("A new policy is one small class in its own file. " * 40)
-    model_dir = save_tiny_model_dir(tmp_path / "model", init_std=0.2)
-    args = ["--model", model_dir, "--data", corpus, "--tokens", 500, "--policy", "oldest,h2o", "--cache-size", 16,
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 500, "--policy", "oldest,h2o", "--cache-size", 16,
             "--chunk-size", 8, "--oldest", 2, "--out", tmp_path / "out"]
     ppl_with_oldest.main(args=[str(a) for a in args], standalone_mode=False)
     captured = capsys.readouterr()

@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from ppl_helpers import ppl_error, ppl_model_dir, write_corpus  # noqa: F401
+from ppl_helpers import ppl_error, write_corpus
 
 
 @pytest.fixture
