@@ -5,16 +5,19 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from h2o_stream.apps.perplexity.interrupt import Interrupted, StopRequest
 from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
-from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
 from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
                       rows_option, workers_option)
+
+if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
+    from h2o_stream.apps.perplexity.sweep import Sweep
 
 
 @click.command()
@@ -59,6 +62,8 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     may use an --out directory. Ctrl-C (or SIGTERM) finishes the current chunk, writes a checkpoint and prints the
     command that resumes.
     """
+    from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
+
     if exact:
         if chunk_size not in (None, 1):
             raise H2OStreamError("--exact runs token by token; drop --chunk-size or --exact")
