@@ -60,12 +60,20 @@ def test_a_command_still_loads_torch_when_it_runs(tmp_path):
     assert "torch" in modules
 
 
-def test_the_group_lists_every_command_with_its_first_sentence(tmp_path):
-    from h2o_stream.cli import COMMANDS
+def test_the_group_lists_every_command_with_its_first_paragraph_in_full(tmp_path):
+    import click
+
+    from h2o_stream.cli import COMMANDS, cli
 
     done, _ = imported_modules(tmp_path, "--help")
-    listed = [line.split()[0] for line in done.stdout.split("Commands:")[1].splitlines() if line.strip()]
+    section = done.stdout.split("Commands:")[1]
+    listed = [line.split()[0] for line in section.splitlines() if line.strip() and not line.startswith(" " * 4)]
     assert listed == sorted(COMMANDS)
+    assert "..." not in section
+    with click.Context(cli) as context:
+        for name in COMMANDS:
+            first = cli.get_command(context, name).help.split("\n\n")[0]
+            assert " ".join(first.split()) in " ".join(section.split()), name
 
 
 @pytest.mark.parametrize("package", ["h2o_stream", "h2o_stream.engine", "h2o_stream.apps.perplexity",

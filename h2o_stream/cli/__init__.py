@@ -36,6 +36,16 @@ class LazyGroup(click.Group):
             self.add_command(getattr(importlib.import_module(module), attribute), name)
         return super().get_command(ctx, name)
 
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command with the first paragraph of its help in full, wrapped (click's default cuts it at about 45
+        characters, mid-phrase)."""
+        rows = [(name, command.short_help or (command.help or "").split("\n\n")[0])
+                for name in self.list_commands(ctx)
+                for command in [self.get_command(ctx, name)] if command is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, " ".join(text.split())) for name, text in rows])
+
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-stream")

@@ -53,9 +53,10 @@ from .options import cache_options, model_options
 def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, section_tokens, section_max_new_tokens,
               temperature, top_p, seed, repetition_penalty, no_repeat_ngram_size, out, show_sections, quiet, policy,
               cache_size, parts, no_rolling, model_spec, dtype, device, threads):
-    """Summarize FILE, however long, reading it through a fixed-size KV cache: a text file, a PG-19 .jsonl (with
-    --book), 'sample' (the books shipped with h2o-stream, with --book), or '-' for stdin. The summary streams to
-    stdout; progress and statistics go to stderr."""
+    """Summarize FILE, however long, reading it through a fixed-size KV cache.
+
+    FILE is a text file, a PG-19 .jsonl (with --book), 'sample' (the books shipped with h2o-stream, with --book), or
+    '-' for stdin. The summary streams to stdout; progress and statistics go to stderr."""
     from h2o_stream.apps.summarize import summarize as summarize_document
 
     check_settings(strategy=strategy, instruction=instruction, max_new_tokens=max_new_tokens, policy=policy,
