@@ -119,6 +119,13 @@ def parse_list(text: str, convert, label: str, kind: str = "integers") -> list:
         raise H2OStreamError(f"{label} must be a comma-separated list of {kind}, got {text!r}") from None
 
 
+def loading_note(model_spec: str | None) -> None:
+    """One line on stderr before the seconds a command spends importing torch and transformers and loading its
+    model, so that the quiet is explained."""
+    click.echo(f"loading torch, transformers and {model_spec or 'the default model (SmolLM2-135M-Instruct)'} ...",
+               err=True)
+
+
 def command_argv() -> list[str]:
     """The command line of this call as a user would type it again: `h2o-stream` and the arguments `main` got."""
     root = click.get_current_context().find_root()
