@@ -315,10 +315,13 @@ def speed_section(res: Results, page: Path) -> list[str]:
     start = res.get("speed/startup.json")
     if start:
         lines += [f"### CLI start-up, {start['rounds']} rounds", ""]
+        if "cpus" in start:
+            lines += [f"Fresh processes, launch to exit, on {start['cpus']} cores with a load average of "
+                      f"{num(start['load_average_at_start'][0], 1)} at the start (other work shared the machine).", ""]
         lines += table(["command", "median s", "max s", "exit status"],
                        [[f"`{c}`", num(r["median_seconds"], 3), num(r["max_seconds"], 3), r["exit_status"]]
                         for c, r in start["commands"].items()], {1, 2, 3})
-        lines += [source(res, "speed/startup.json"), ""]
+        lines += [source(res, "speed/startup.json"), ""] + res.figure("speed/startup.png", page, "CLI start-up")
     return lines
 
 

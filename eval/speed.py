@@ -380,6 +380,7 @@ def startup(rounds, out_dir):
     if program is None:
         raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
     statuses = {}
+    load = os.getloadavg()  # on a shared machine, what else was running
 
     def step(arguments):
         def run(_r, _i):
@@ -395,7 +396,8 @@ def startup(rounds, out_dir):
     print({command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
            for command, row in commands.items()})
     report = {"benchmark": "CLI start-up: fresh processes, launch to exit", "rounds": rounds,
-              "environment": environment(), "commands": commands}
+              "environment": environment(), "cpus": os.cpu_count(), "load_average_at_start": list(load),
+              "commands": commands}
     write_result(out_dir / "startup.json", report, plot_startup)
 
 

@@ -3,14 +3,20 @@
 Layers, imports flowing one way (checked by import-linter, see pyproject.toml):
 engine (cache, attention, policies, feed) <- generation (the decode loop) | loading (models, corpora)
 <- apps (perplexity, chat, summarize) <- cli. This package's root re-exports the public API from all of them.
+
+The names are imported on first use (lazy.py), so `import h2o_stream` (and the command line's --help) does not load
+torch until something needs it.
 """
 
-from .apps.perplexity import PerplexityResult, stream_perplexity  # noqa: E402
-from .apps.summarize import SummaryResult, summarize  # noqa: E402
-from .engine import POLICIES, EvictionPolicy, StreamingCache, attach, make_policy, register  # noqa: E402
-from .errors import H2OStreamError  # noqa: E402
-from .loading.models import LoadedModel, load_model  # noqa: E402
-from .version import __version__  # noqa: E402
+from .errors import H2OStreamError
+from .lazy import lazy_exports
+from .version import __version__
 
-__all__ = ["H2OStreamError", "EvictionPolicy", "LoadedModel", "POLICIES", "PerplexityResult", "StreamingCache", "attach",
-           "load_model", "make_policy", "register", "stream_perplexity", "SummaryResult", "summarize", "__version__"]
+__getattr__, __dir__, _lazy = lazy_exports(__name__, {
+    ".apps.perplexity": ("PerplexityResult", "stream_perplexity"),
+    ".apps.summarize": ("SummaryResult", "summarize"),
+    ".engine.policies": ("POLICIES", "EvictionPolicy", "make_policy", "register"),
+    ".engine": ("StreamingCache", "attach"),
+    ".loading.models": ("LoadedModel", "load_model"),
+})
+__all__ = ["H2OStreamError", "__version__", *_lazy]

@@ -17,7 +17,7 @@ from policy_matrix import ALL, BANDED, EVICTING, SCORED, build
 from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
-from h2o_stream.engine import feed
+from h2o_stream.engine.feed import feed
 
 
 def snapshot(cache: StreamingCache) -> list[dict]:

@@ -160,7 +160,7 @@ def test_a_json_file_that_is_no_result_keeps_the_users_leaderboard(capsys, board
 
 
 def test_report_only_refuses_options_it_would_ignore(capsys, board):
-    line = refused(capsys, "--out", board, "--report-only", "--policy", "nope", "--model", "/nonexistent")
+    line = refused(capsys, "--out", board, "--report-only", "--policy", "tova", "--model", "/nonexistent")
     assert "--policy" in line and "--model" in line and "ignored" in line
     assert (board / "leaderboard.md").read_text() == "my notes\n"
 

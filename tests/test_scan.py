@@ -223,7 +223,7 @@ def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_pe
 
 def test_a_scanned_cache_takes_forwards_wider_than_its_budget():
     """Decisions, not forwards, are what the budget limits: `feed` sends 40-token forwards into a cache of 8."""
-    from h2o_stream.engine import feed
+    from h2o_stream.engine.feed import feed
     model = tiny_model("llama").double()
     ids = random_ids(120)
     scanned = StreamingCache(model, build("h2o", 8), decide_every=4)

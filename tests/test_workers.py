@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 
+import pytest
 from ppl_helpers import assert_same_runs, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.files import WRITE_DELAY_ENV
@@ -76,3 +77,27 @@ def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):
     from ppl_helpers import ppl_error
     assert "'0' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", 0, "--model", ppl_model_dir)
     assert "'many' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", "many")
+
+
+def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once(ppl_model_dir, tmp_path):  # noqa: F811
+    """Two workers' runs drawn by the parent: each bar names its run and the second sits on a line of its own (the
+    cursor goes back up to it, \\x1b[A); transformers' "Loading weights" shows once (the parent), not per worker; a
+    line says what loads before the quiet seconds of importing torch."""
+    pexpect = pytest.importorskip("pexpect")
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    env = {key: value for key, value in subprocess_env(**{WRITE_DELAY_ENV: "0.05"}).items() if key != "TQDM_DISABLE"}
+    command = ppl_command("--model", ppl_model_dir, "--data", corpus, "--tokens", 1000, "--policy", "h2o,sink",
+                          "--cache-size", 16, "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1,
+                          "--workers", 2, "--out", tmp_path / "out")
+    child = pexpect.spawn(command[0], command[1:], env=env, cwd=str(tmp_path), dimensions=(24, 150), timeout=300,
+                          encoding="utf-8", codec_errors="replace")
+    child.expect(pexpect.EOF)
+    child.close()
+    shown = child.before
+    assert child.exitstatus == 0, shown[-3000:]
+    assert shown.index("loading torch, transformers and") < shown.index("runs on 2 workers")
+    assert shown.count("Loading weights: 100%") == 1, shown
+    for name in ("h2o-16", "sink-16"):
+        assert f"{name}: 100%|" in shown, shown[-3000:]
+    assert "\x1b[A" in shown  # a bar below the first one: each run on its own line
+    assert (tmp_path / "out" / "h2o-16.json").is_file()

@@ -1,32 +1,57 @@
-"""The `h2o-stream` command line: one click group; each command lives in its own module and is added here.
+"""The `h2o-stream` command line: one click group; each command lives in its own module, named in COMMANDS.
 
 Commands are thin: they parse options, call the library (h2o_stream.apps) and print. Every H2OStreamError becomes one
-`Error: ...` line on stderr and exit status 2.
+`Error: ...` line on stderr and exit status 2. A command's module is imported only when the command is asked for (or
+listed by the group's --help), and imports torch, transformers and the applications inside the command's body: help
+and usage errors answer at once, without the seconds those take to load (tests/test_cli_startup.py).
 """
 
 from __future__ import annotations
 
+import importlib
 import sys
 
 import click
 
 from h2o_stream.errors import H2OStreamError
 
-from .chat import chat
-from .leaderboard import leaderboard
-from .ppl import ppl
-from .serve import serve
-from .summarize import summarize
+#: command name -> "module:attribute" of its click command
+COMMANDS = {
+    "ppl": "h2o_stream.cli.ppl:ppl",
+    "leaderboard": "h2o_stream.cli.leaderboard:leaderboard",
+    "chat": "h2o_stream.cli.chat:chat",
+    "summarize": "h2o_stream.cli.summarize:summarize",
+    "serve": "h2o_stream.cli.serve:serve",
+}
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class LazyGroup(click.Group):
+    """A click group that imports a command's module when the command is first looked up."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted({*super().list_commands(ctx), *COMMANDS})
+
+    def get_command(self, ctx: click.Context, name: str) -> click.Command | None:
+        if name not in self.commands and name in COMMANDS:
+            module, attribute = COMMANDS[name].split(":")
+            self.add_command(getattr(importlib.import_module(module), attribute), name)
+        return super().get_command(ctx, name)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        """Each command with the first paragraph of its help in full, wrapped (click's default cuts it at about 45
+        characters, mid-phrase)."""
+        rows = [(name, command.short_help or (command.help or "").split("\n\n")[0])
+                for name in self.list_commands(ctx)
+                for command in [self.get_command(ctx, name)] if command is not None and not command.hidden]
+        if rows:
+            with formatter.section("Commands"):
+                formatter.write_dl([(name, " ".join(text.split())) for name, text in rows])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="h2o-stream")
 def cli():
     """Streaming generation and perplexity with a fixed-size KV cache (H2O, StreamingLLM sinks, and newer policies)."""
-
-
-for _command in (ppl, leaderboard, chat, summarize, serve):
-    cli.add_command(_command)
 
 
 def main(argv: list[str] | None = None) -> None:

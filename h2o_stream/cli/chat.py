@@ -13,14 +13,18 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
-from h2o_stream.apps.chat import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, Sampling
+from h2o_stream.apps.chat.defaults import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE
 from h2o_stream.apps.chat.stats import cache_settings, format_stats, loaded_summary, size_text
 from h2o_stream.errors import H2OStreamError, one_line
 
 from .options import cache_options, model_options
+
+if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
+    from h2o_stream.apps.chat import ChatSession
 
 PROMPT = ">>> "
 HISTORY_LINES = 1000
@@ -72,6 +76,7 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
     feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
     every line is one turn or command."""
+    from h2o_stream.apps.chat import ChatSession, Sampling
     from h2o_stream.engine.policies import make_policy, policy_class
     from h2o_stream.loading.models import load_model
 

@@ -9,11 +9,10 @@ import click
 from click.core import ParameterSource
 
 from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leaderboard
-from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
-from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
-                      rows_option, workers_option)
+from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
+                      ray_option, rows_option, workers_option)
 from .ppl import run_sweep
 
 #: every registered policy with a bounded cache (full has no cache size to compare at)
@@ -53,6 +52,9 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
         if not runs.is_dir() or not any(runs.glob("*.json")):
             raise H2OStreamError(f"{runs} holds no finished runs to report on")
     else:
+        loading_note(model_spec)
+        from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
+
         argv = command_argv()
 
         def specs(tokenizer=None):  # all policies at the first size, then the next

@@ -8,7 +8,7 @@ import sys
 
 import click
 
-from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts
+from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts, policy_class
 from h2o_stream.errors import H2OStreamError
 
 
@@ -93,7 +93,7 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
 
         options = [
             click.option("--policy", default=default_policy, show_default=True,
-                         callback=_parse_policy if multiple else None,
+                         callback=_parse_policies if multiple else _parse_policy,
                          help=f"Eviction policy: {', '.join(POLICIES)}{several}."),
             click.option("--cache-size", default=str(default_size), show_default=True,
                          callback=_parse_sizes if multiple else _parse_size,
@@ -117,6 +117,13 @@ def parse_list(text: str, convert, label: str, kind: str = "integers") -> list:
         return [convert(item) for item in items]
     except ValueError:
         raise H2OStreamError(f"{label} must be a comma-separated list of {kind}, got {text!r}") from None
+
+
+def loading_note(model_spec: str | None) -> None:
+    """One line on stderr before the seconds a command spends importing torch and transformers and loading its
+    model, so that the quiet is explained."""
+    click.echo(f"loading torch, transformers and {model_spec or 'the default model (SmolLM2-135M-Instruct)'} ...",
+               err=True)
 
 
 def command_argv() -> list[str]:
@@ -151,8 +158,14 @@ def _setting_option(name: str, policies):
                         help=help_text + ".")
 
 
-def _parse_policy(ctx, param, value) -> list[str]:
-    return _once_each(parse_list(value, str, "--policy", "policy names"), "--policy")
+def _parse_policies(ctx, param, value) -> list[str]:
+    names = parse_list(value, str, "--policy", "policy names")
+    return _once_each([_parse_policy(ctx, param, name) for name in names], "--policy")
+
+
+def _parse_policy(ctx, param, value) -> str:
+    """A registered policy's name (checked while parsing: the registry loads without torch), else one error line."""
+    return policy_class(value).name
 
 
 def _parse_sizes(ctx, param, value) -> list[int]:

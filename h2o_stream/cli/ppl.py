@@ -5,16 +5,19 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from h2o_stream.apps.perplexity.interrupt import Interrupted, StopRequest
 from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
-from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 from h2o_stream.errors import H2OStreamError
-from .options import (cache_options, checkpoint_option, command_argv, data_option, model_options, ray_option,
-                      rows_option, workers_option)
+from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
+                      ray_option, rows_option, workers_option)
+
+if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
+    from h2o_stream.apps.perplexity.sweep import Sweep
 
 
 @click.command()
@@ -68,6 +71,9 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     if span is not None and (span < 1 or (chunk_size is not None and span % chunk_size)):
         raise H2OStreamError(f"--span must be a positive multiple of the chunk size ({chunk_size or 'per policy'}), "
                              f"got {span}")
+    loading_note(model_spec)
+    from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
+
     argv = command_argv()
     # every run that needs no tokenizer is built (and so checked) before the model loads; the rest once it has
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size, span=span,

@@ -12,9 +12,10 @@ import click
 
 from h2o_stream.errors import H2OStreamError
 
+from h2o_stream.apps.chat.defaults import DEFAULT_CACHE_SIZE
+
 from .options import cache_options, model_options
 
-DEFAULT_CACHE_SIZE = 512  # the chat's (h2o_stream.apps.chat.DEFAULT_CACHE_SIZE; not imported: it pulls in torch)
 DEFAULT_CHUNK_SIZE = 64
 
 

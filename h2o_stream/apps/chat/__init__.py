@@ -1,13 +1,14 @@
 """Endless chat with a fixed-size cache: the session (session.py), its chat formats (formats.py), its session file
 (session_file.py) and what it reports (stats.py). Replies are decoded by `h2o_stream.generation`; `Sampling` is
-re-exported from there."""
+re-exported from there. The names are imported on first use (`h2o_stream.lazy`); the defaults (defaults.py) load
+without torch, for the command line's help."""
 
-from h2o_stream.generation import Sampling
+from h2o_stream.lazy import lazy_exports
 
-from .formats import ChatFormat, PlainFormat, TemplateFormat, chat_format
-from .session import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, ChatSession, chat_sampling
-from .stats import TurnResult, format_stats, loaded_summary, rss_bytes
-
-__all__ = ["CHAT_SAMPLING", "DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE", "ChatFormat", "ChatSession", "PlainFormat",
-           "Sampling", "TemplateFormat", "TurnResult", "chat_format", "chat_sampling", "format_stats",
-           "loaded_summary", "rss_bytes"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    "h2o_stream.generation": ("Sampling",),
+    ".defaults": ("CHAT_SAMPLING", "DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE"),
+    ".formats": ("ChatFormat", "PlainFormat", "TemplateFormat", "chat_format"),
+    ".session": ("ChatSession", "chat_sampling"),
+    ".stats": ("TurnResult", "format_stats", "loaded_summary", "rss_bytes"),
+})

@@ -4,8 +4,11 @@ run.py (the run and its verified checkpoints), digest.py (the fed-token digest t
 binding.py (every run checked against model, data, settings and its files before the first starts), sweep.py (the
 runs of one call, checkpoint pacing), outdir.py (--out checked writable and locked), interrupt.py (SIGINT/SIGTERM:
 checkpoint and stop), report.py (plot and table over every run in --out). Failure behaviours: docs/failures.md.
+The names below are imported on first use (`h2o_stream.lazy`).
 """
 
-from .run import PerplexityResult, PerplexityRun, skip_tokens_of, stream_perplexity
+from h2o_stream.lazy import lazy_exports
 
-__all__ = ["PerplexityResult", "PerplexityRun", "skip_tokens_of", "stream_perplexity"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    ".run": ("PerplexityResult", "PerplexityRun", "skip_tokens_of", "stream_perplexity"),
+})

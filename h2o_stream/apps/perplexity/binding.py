@@ -68,12 +68,14 @@ def portable_command(command: str) -> str:
 class Plan:
     """What a run of the sweep starts from: its checkpoint position (0: from the start) and that checkpoint's digest
     of the tokens it fed; `done` when its result file already covers the tokens asked for (it fed that many, or the
-    corpus ran out first), so that it needs no checkpoint to be resumed, e.g. on another machine."""
+    corpus ran out first), so that it needs no checkpoint to be resumed, e.g. on another machine. `result_tokens`:
+    the tokens its result file covers (0: none)."""
 
     name: str
     position: int = 0
     stream_digest: str | None = None
     done: bool = False
+    result_tokens: int = 0
 
 
 def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) -> Plan:
@@ -98,6 +100,7 @@ def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) ->
         if fed > have:
             have, where = fed, "a result of"
         found.done = fed >= tokens or exhausted
+        found.result_tokens = fed
     if tokens < have:
         raise H2OStreamError(f"{out} already holds {where} {have:,} tokens for {name}; --tokens {tokens:,} would "
                              f"replace it with a shorter run. Pass --tokens {have} or more to keep or extend it, or "

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 import transformers
-from tqdm import tqdm
 
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
 from h2o_stream.version import __version__
-from .binding import check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
+from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
 from .interrupt import Interrupted, StopRequest
+from .progress import Bars
 from .report import check_comparable, plot_curves, results_in, title_of
 from .rows import RunRows
 from .run import PerplexityRun, forward_span, skip_tokens_of
@@ -165,12 +165,13 @@ class Sweep:
         return dataclasses.replace(self, specs=[(name, specs[name]) for name in names])
 
     def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
-            stop: StopRequest | None = None, report: bool = True) -> list[dict]:
+            stop: StopRequest | None = None, bars: Bars | None = None, report: bool = True) -> list[dict]:
         """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
         `resume`); writes the files and returns the results of every run in `out`. `note` receives one line per event
         worth telling a user (a run starts, resumes, runs out of corpus). With `stop`, a requested stop checkpoints
-        after the current forward and raises `Interrupted`. Without `report`, no reports are written (nor results
-        returned): a worker's share leaves them to the parent."""
+        after the current forward and raises `Interrupted`. `bars`: where progress goes (default: bars drawn
+        here). Without `report`, no reports are written (nor results returned): a worker's share leaves them to the
+        parent."""
         out = Path(self.out)
         new_run, plans = self.check_runs(model, tokenizer, model_name)
         policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans))
@@ -185,20 +186,27 @@ class Sweep:
             for names in by_position.values():
                 if stop is not None and stop.requested:
                     raise Interrupted(stop.signum, None, None)
-                runs = [self._start(name, policies[name], new_run, starts[name].position, note) for name in names]
+                runs = [self._start(name, policies[name], new_run, starts[name], note) for name in names]
                 execute(runs, self.pieces(tokenizer), self.tokens, [out / f"{name}.ckpt" for name in names],
-                        self.checkpoint_every, stop, ", ".join(names))
+                        self.checkpoint_every, stop, ", ".join(names), bars)
                 for name, run in zip(names, runs):
                     self._finish(name, run, len(runs), note)
         return write_reports(out) if report else []
 
-    def _start(self, name: str, policy: EvictionPolicy, new_run, position: int, note) -> PerplexityRun:
+    def _start(self, name: str, policy: EvictionPolicy, new_run, start: Plan, note) -> PerplexityRun:
         run = new_run(policy)
         note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
              f"in forwards of {run.span}, {'rolling' if self.rolling else 'no rolling'}")
-        if position:
-            run.load(Path(self.out) / f"{name}.ckpt")
-            note(f"   resumed at token {run.position:,}")
+        if start.position:
+            checkpoint = Path(self.out) / f"{name}.ckpt"
+            run.load(checkpoint)
+            # A run that --tokens ended checkpoints before its last, cut-short forward, so a longer run resumes a
+            # little before where the first one stopped (2,816 of 3,000 tokens, say): say so.
+            further = (f" (that run went on to token {start.result_tokens:,}: it checkpoints before a last forward "
+                       "cut short by --tokens, so that a longer run makes that forward whole)"
+                       if start.result_tokens > run.position else "")
+            note(f"   resumed at token {run.position:,}: the tokens before it were scored by an earlier run, whose "
+                 f"checkpoint is {checkpoint}{further}")
         return run
 
     def _finish(self, name: str, run: PerplexityRun, rows: int, note) -> None:
@@ -212,17 +220,23 @@ class Sweep:
 
 
 def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: StopRequest | None = None,
-              note: Callable[[str], None] = lambda text: None) -> None:
+              note: Callable[[str], None] = lambda text: None, bars: Bars | None = None) -> None:
     """A worker's or a Ray task's share of `sweep`: load the model once with `loading` (load_model's keyword
-    arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all."""
+    arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all. The parent
+    already showed the model loading: here it loads without transformers' progress bar."""
+    from transformers.utils import logging as transformers_logging
+
     from h2o_stream.loading.models import load_model
 
     for _, policy in sweep.specs:  # a policy registered at run time in the parent is known here by its class alone
         if type(policy).name not in POLICIES:
             register(type(policy))
+    transformers_logging.disable_progress_bar()
     loaded = load_model(**loading)
+    note(f"ready: torch and {loaded.name} loaded")
     for names in groups:  # the reports over every run are the parent's to write, once all have finished
-        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, report=False)
+        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, bars=bars,
+                              report=False)
 
 
 def write_reports(out: Path) -> list[dict]:
@@ -237,20 +251,20 @@ def write_reports(out: Path) -> list[dict]:
 
 
 def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: list[Path], checkpoint_every: int,
-            stop: StopRequest | None = None, name: str | None = None) -> None:
+            stop: StopRequest | None = None, name: str | None = None, bars: Bars | None = None) -> None:
     """Feed `runs` (one, or several at the same stream position fed as the rows of one batch: `RunRows`) up to
     `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and at the end, so that
     a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after the current forward
-    and raises `Interrupted`."""
+    and raises `Interrupted`. Progress goes to `bars` (default: a bar drawn here), named `name` (default: the run's)."""
     feeder = runs[0] if len(runs) == 1 else RunRows(runs)
     last_checkpoint = feeder.position
-    bar = tqdm(total=tokens, initial=min(feeder.position, tokens), unit="tok", unit_scale=True, dynamic_ncols=True,
-               disable=None)
+    bars = Bars() if bars is None else bars
+    label = name or checkpoint_paths[0].stem
+    bars.update(label, feeder.position, tokens)
 
     def progress(_, fed: int) -> None:
-        bar.update(fed)
-        if runs[0].predicted:
-            bar.set_postfix(ppl="/".join(f"{run.running_ppl:.2f}" for run in runs), refresh=False)
+        ppl = "ppl=" + "/".join(f"{run.running_ppl:.2f}" for run in runs) if runs[0].predicted else None
+        bars.update(label, feeder.position, tokens, ppl)
 
     def save(_=None) -> None:
         nonlocal last_checkpoint
@@ -285,7 +299,7 @@ def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: li
     try:
         feeder.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
     finally:
-        bar.close()
+        bars.finish(label)
     if not cut_short and feeder.position != last_checkpoint:
         save()
 

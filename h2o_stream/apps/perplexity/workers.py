@@ -19,6 +19,7 @@ import time
 
 from h2o_stream.errors import H2OStreamError
 from .interrupt import SIGNALS, Interrupted, StopRequest
+from .progress import Bars, SentBars
 from .sweep import run_share, write_reports
 
 
@@ -63,6 +64,7 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
     processes = [context.Process(target=_work, args=(index, sweep, loading, names, events), daemon=True)
                  for index in range(count)]
     stop = StopRequest()
+    bars = Bars(leave=False)  # the workers' bars, drawn here: one line per run in progress
     with stop.catching():
         # Workers start with SIGINT/SIGTERM blocked (a new process inherits the mask) and unblock them once they can
         # checkpoint on one; a signal here meanwhile waits and is passed on below.
@@ -72,7 +74,8 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
                 process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-        note(f"== {len(sweep.specs)} runs on {count} workers, {loading['threads']} thread(s) each")
+        note(f"== {len(sweep.specs)} runs on {count} workers, {loading['threads']} thread(s) each; each worker first "
+             "imports torch and loads its own copy of the model")
         failures, forwarded = [], False
         while any(process.is_alive() for process in processes) or not events.empty():
             if stop.requested and not forwarded:
@@ -84,9 +87,15 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
                 index, kind, text = events.get(timeout=0.2)
             except queues.Empty:
                 continue
-            note(f"[worker {index}] {text}")
+            if kind == "progress":
+                bars.update(*text)
+            elif kind == "finished":
+                bars.finish(text)
+            else:
+                bars.note(note, f"[worker {index}] {text}")
             if kind == "error":
                 failures.append(text)
+        bars.close()
         for process in processes:
             process.join()
     crashed = [p.exitcode for p in processes if p.exitcode not in (0, None)]
@@ -116,7 +125,8 @@ def _work(index: int, sweep, loading: dict, names, events) -> None:
     try:
         with stop.catching():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-            run_share(sweep, taken(), loading, stop, note=lambda text: events.put((index, "note", text)))
+            run_share(sweep, taken(), loading, stop, note=lambda text: events.put((index, "note", text)),
+                      bars=SentBars(events, index))
     except Interrupted as stopped:
         events.put((index, "stopped", str(stopped)))
     except H2OStreamError as error:

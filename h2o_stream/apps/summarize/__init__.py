@@ -3,13 +3,14 @@
 summarize() is the entry point (api.py); documents.py reads what is summarized (through the one corpus reader,
 `h2o_stream.loading.corpus`); prompts.py builds the prompt around a document; reader.py streams ids through caches
 and decodes with `h2o_stream.generation`; strategies.py holds single and hierarchical; settings.py the defaults and
-checks; results.py what comes back.
+checks; results.py what comes back. The names below are imported on first use (`h2o_stream.lazy`).
 """
 
-from .api import resolve_model, summarize
-from .documents import Document, as_document, list_books, load_document
-from .prompts import Prompt, build_prompt, encode
-from .results import SectionSummary, SummaryResult
+from h2o_stream.lazy import lazy_exports
 
-__all__ = ["Document", "Prompt", "SectionSummary", "SummaryResult", "as_document", "build_prompt", "encode",
-           "list_books", "load_document", "resolve_model", "summarize"]
+__getattr__, __dir__, __all__ = lazy_exports(__name__, {
+    ".api": ("resolve_model", "summarize"),
+    ".documents": ("Document", "as_document", "list_books", "load_document"),
+    ".prompts": ("Prompt", "build_prompt", "encode"),
+    ".results": ("SectionSummary", "SummaryResult"),
+})

@@ -1,5 +1,10 @@
 """Eviction policies, one per file, registered by name: every module of this folder is imported here, so a new policy
-is one new file with `@register` on its class and nothing else."""
+is one new file with `@register` on its class and nothing else.
+
+Importing this package (the registry and every policy's declarations) loads no torch: the command line builds its
+options from the declarations, and `h2o-stream --help` must not wait seconds for torch. A policy module imports torch
+only under TYPE_CHECKING at its top and inside the functions that call it (tests/test_cli_startup.py checks).
+"""
 
 import importlib
 import pkgutil

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from h2o_stream.errors import H2OStreamError
 
@@ -62,4 +64,5 @@ class A2SFPolicy(EvictionPolicy):
 def _decays(alpha: float, length: int) -> torch.Tensor:
     """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
     Memoised (every layer of every chunk asks for the same); never modify the result."""
+    import torch
     return alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)

@@ -17,9 +17,10 @@ import dataclasses
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from h2o_stream.errors import H2OStreamError
 

@@ -7,8 +7,10 @@ query heads of a GQA group add up into their KV head). Ties go to the older entr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from .base import HEAVY, RECENT, DropOne, EvictionPolicy
 from .slots import keep_top

@@ -10,8 +10,10 @@ Default split: 4 sinks (StreamingLLM's), then half the cache heavy, the rest rec
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from .base import HEAVY, RECENT, SINKS, DropOne, EvictionPolicy
 from .slots import keep_top

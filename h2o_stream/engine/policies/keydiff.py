@@ -12,8 +12,10 @@ Default split: 4 sinks (StreamingLLM's), half the cache diverse, the rest recent
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from .base import RECENT, SINKS, EvictionPolicy, Part
 from .slots import keep_top
@@ -23,6 +25,7 @@ from .registry import register
 def unit_weights(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys in float64 (float32 on MPS, which has no float64), the reciprocal of every key's norm (batch, heads, n)):
     ranking in float64 does not hinge on rounding."""
+    import torch
     keys = keys.to(torch.float32 if keys.device.type == "mps" else torch.float64)
     return keys, torch.linalg.vector_norm(keys, dim=-1).clamp_min(1e-12).reciprocal()
 
@@ -34,6 +37,7 @@ def similarity_to(keys: torch.Tensor, inverse_norms: torch.Tensor, weights: torc
 
     Two small products instead of normalising every key: `keep` runs per layer and block, and normalising and
     `cosine_similarity` made it ten times h2o's."""
+    import torch
     anchor = torch.matmul(weights.unsqueeze(-2), keys)  # (batch, heads, 1, dim)
     return torch.matmul(keys, anchor.transpose(-1, -2)).squeeze(-1) * inverse_norms
 
@@ -66,6 +70,7 @@ class KeyDiffPolicy(EvictionPolicy):
         """Both cuts from one pass over the keys: the second cut's anchor is the sum of the unit keys the first cut
         keeps (their inverse norms as weights, 0 for the dropped), and it ranks among the entries between the sinks
         and its own, shorter, recent window, the dropped ones last. The same slots as cutting twice."""
+        import torch
         # A reduction that gave up sinks (or, never with `reduced`, widened the window): the plain way.
         if then.sinks != self.sinks or then.recent > self.recent:
             return super().keep_twice(then, positions, scores, keys=keys)

@@ -18,8 +18,10 @@ recent 10, volatile 67, heavy 179); `--volatile 67` gives that split. Default mo
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from .base import DropOne, EvictionPolicy, Part
 from .slots import ages, last_slots, top_slots
@@ -50,6 +52,7 @@ class RoCoPolicy(EvictionPolicy):
         return self.recent >= 1
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        import torch
         n = positions.shape[-1]
         others = n - self.recent
         age = ages(positions)[..., :others].to(scores.dtype)

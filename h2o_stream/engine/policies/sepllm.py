@@ -15,8 +15,10 @@ Default split: 4 sinks, a fifth of the cache separators, the rest recent (SepLLM
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from h2o_stream.errors import H2OStreamError
 
@@ -40,6 +42,7 @@ def separator_ids(tokenizer) -> tuple[int, ...]:
 
 @memoised(8)
 def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    import torch
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
@@ -71,6 +74,7 @@ class SepLLMPolicy(EvictionPolicy):
 
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, *, tokens: torch.Tensor) -> torch.Tensor:
         # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
+        import torch
         n = positions.shape[-1]
         middle = tokens[..., self.sinks: n - self.recent]
         is_separator = torch.isin(middle, _id_tensor(self.separator_ids, middle.device))

@@ -3,7 +3,10 @@ entries (each (batch, kv_heads, n), n slots in stream order). Ties go to the old
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loads this module without it
+    import torch
 
 from ..memo import memoised
 
@@ -23,6 +26,7 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order:
     """Ascending slots of the `count` highest `ranks` (batch, heads, m), offset by `start` (the slot of ranks[0]);
     equal ranks go to the lower slot, i.e. the older entry. `in_slot_order=False`: the same slots in any order (for a
     caller that only marks them), one sort fewer."""
+    import torch
     m = ranks.shape[-1]
     if count == m - 1:
         top = _all_but(_lowest_last(ranks), m, ranks)
@@ -38,6 +42,7 @@ def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> tor
     """What most scored policies keep: the first `sinks` slots, the `count` highest `ranks` among the slots between
     them and the last `recent` (ranks (batch, heads, m) covers exactly those m), and the last `recent`; ascending.
     Ties as in `top_slots`."""
+    import torch
     m = ranks.shape[-1]
     n = sinks + m + recent
     if count == m - 1:
@@ -80,4 +85,5 @@ def slot_range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
 
 @memoised(256)
 def _slot_range(start: int, stop: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
+    import torch
     return torch.arange(start, stop, device=device).expand(*shape, stop - start)

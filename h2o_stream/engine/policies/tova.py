@@ -13,8 +13,10 @@ counts, as the official code does for a prompt.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
+    import torch
 
 from h2o_stream.errors import H2OStreamError
 

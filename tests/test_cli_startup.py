@@ -1,0 +1,98 @@
+"""The command line answers help, --version and usage errors without loading torch, transformers, numba, matplotlib
+or ray (seconds to import; eval/results/speed/startup.json measures the time), and the packages' lazily imported
+names all resolve."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+#: what must not load before click has parsed the command line
+HEAVY = ("torch", "transformers", "numba", "matplotlib", "ray", "datasets", "accelerate")
+
+
+def imported_modules(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess, set[str]]:
+    """Run `python -m h2o_stream ARGS` under -X importtime in an empty directory and environment of its own; its
+    result and every module it imported."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "h2o_stream", *args], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    modules = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    return done, modules
+
+
+def heavy_in(modules: set[str]) -> list[str]:
+    return sorted(name for name in modules if name.split(".")[0] in HEAVY)
+
+
+@pytest.mark.parametrize("args, status, says", [
+    (["--help"], 0, "Commands:"),
+    (["ppl", "--help"], 0, "--cache-size"),
+    (["leaderboard", "--help"], 0, "--report-only"),
+    (["chat", "--help"], 0, "--system"),
+    (["summarize", "--help"], 0, "--strategy"),
+    (["--version"], 0, "version"),
+    (["ppl", "--bogus"], 2, "No such option '--bogus'"),
+    (["ppl", "--tokens", "many"], 2, "'many' is not a valid integer"),
+    (["ppl", "--policy", "h2o,lru"], 2, "unknown policy 'lru'"),
+    (["chat", "--policy", "lru"], 2, "unknown policy 'lru'"),
+    (["summarize"], 2, "Missing argument 'FILE'"),
+    (["no-such-command"], 2, "No such command"),
+], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+def test_help_and_usage_errors_load_no_heavy_library(tmp_path, args, status, says):
+    done, modules = imported_modules(tmp_path, *args)
+    assert done.returncode == status, done.stderr[-2000:]
+    assert says in done.stdout + done.stderr
+    assert "h2o_stream.cli" in modules  # the measurement saw the command line load
+    assert heavy_in(modules) == [], f"{' '.join(args)} imported {heavy_in(modules)[:5]}"
+    assert not list(tmp_path.iterdir()), "help wrote files"
+
+
+def test_a_command_still_loads_torch_when_it_runs(tmp_path):
+    """The measurement can fail: a command that runs (here: refused after its model is asked for) imports torch."""
+    done, modules = imported_modules(tmp_path, "ppl", "--model", str(tmp_path / "missing"), "--data", "sample",
+                                     "--tokens", "10", "--out", str(tmp_path / "out"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "torch" in modules
+
+
+def test_the_group_lists_every_command_with_its_first_paragraph_in_full(tmp_path):
+    import click
+
+    from h2o_stream.cli import COMMANDS, cli
+
+    done, _ = imported_modules(tmp_path, "--help")
+    section = done.stdout.split("Commands:")[1]
+    listed = [line.split()[0] for line in section.splitlines() if line.strip() and not line.startswith(" " * 4)]
+    assert listed == sorted(COMMANDS)
+    assert "..." not in section
+    with click.Context(cli) as context:
+        for name in COMMANDS:
+            first = cli.get_command(context, name).help.split("\n\n")[0]
+            assert " ".join(first.split()) in " ".join(section.split()), name
+
+
+@pytest.mark.parametrize("package", ["h2o_stream", "h2o_stream.engine", "h2o_stream.apps.perplexity",
+                                     "h2o_stream.apps.chat", "h2o_stream.apps.summarize"])
+def test_every_lazily_exported_name_resolves(package):
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, f"{package}.{name}"
+        assert name in dir(module)
+    with pytest.raises(AttributeError):
+        module.no_such_name  # noqa: B018
+
+
+def test_a_name_resolves_to_the_object_its_module_defines():
+    import h2o_stream
+    from h2o_stream.engine.cache import StreamingCache
+    from h2o_stream.engine.policies import make_policy
+
+    assert h2o_stream.StreamingCache is StreamingCache and h2o_stream.make_policy is make_policy
+    namespace: dict = {}
+    exec("from h2o_stream import *", namespace)
+    assert namespace["stream_perplexity"] is h2o_stream.stream_perplexity
