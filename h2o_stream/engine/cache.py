@@ -80,7 +80,9 @@ class StreamingCache(Cache):
                 f"cache size {budget} does not fit the model's context of {context} positions "
                 f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
         # Each layer's own policy (layer_types.py): sliding-window layers keep their window by default.
-        policies = layer_policies(policy, layer_windows(config), sliding)
+        windows = layer_windows(config)
+        self._slides = any(window is not None for window in windows)  # checkpoints record the sliding mode then
+        policies = layer_policies(policy, windows, sliding)
         super().__init__(layers=[StreamingLayer(p, r) for p, r in zip(policies, rollers)])
         self.policy = policy
         self.sliding = sliding
@@ -354,20 +356,15 @@ class StreamingCache(Cache):
         """A snapshot of every layer (after any pending cut), for `load_state`."""
         state = {"policy": self.policy.settings(), "rolling": self.rolling,
                  "layers": [layer.state() for layer in self.layers]}
-        if self._has_own_layers:
+        if self._slides:
             state["sliding"] = self.sliding
         return state
-
-    @property
-    def _has_own_layers(self) -> bool:
-        """Whether some layer runs another policy than the chosen one (sliding windows)."""
-        return any(layer.policy is not self.policy for layer in self.layers)
 
     def load_state(self, state: dict) -> None:
         if state["policy"] != self.policy.settings() or state["rolling"] != self.rolling:
             raise H2OStreamError(f"saved cache was made with {state['policy']} (rolling={state['rolling']}), "
                                  f"not {self.policy.settings()} (rolling={self.rolling})")
-        mine = self.sliding if self._has_own_layers else None
+        mine = self.sliding if self._slides else None
         if state.get("sliding") != mine:
             raise H2OStreamError(f"saved cache was made with sliding layers {state.get('sliding')!r}, not {mine!r}")
         if len(state["layers"]) != len(self.layers):

@@ -28,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import (attend_with_scores, attend_with_sink_queries, causal_additive_mask,
+from .attention import (attend_with_scores, attend_with_sink_queries, causal_additive_mask, causal_mask,
                         fused_sink_attention_applies, layer_mean, sink_queries)
 
 ATTENTION_NAME = "h2o_stream"
@@ -37,13 +37,18 @@ _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
 
 def streaming_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     cache = _active_cache.get()
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    layer = cache.layers[module.layer_idx]
-    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     # Gemma 2's attention soft-capping and GPT-OSS's learned attention sinks (one extra logit per query head)
     extras = Extras(kwargs.get("softcap"), kwargs.get("s_aux"))
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    if cache is None:  # another cache or none: what the model would do without h2o-stream
+        if extras.plain:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+        if attention_mask is None and query.shape[-2] > 1:  # transformers leaves out a mask that is only causal
+            attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
+        return attend_with_scores(query, key, value, attention_mask, scaling, extras.softcap,
+                                  virtual_logits=extras.sinks)[0], None
+    layer = cache.layers[module.layer_idx]
     rows = getattr(layer, "rows", None)
     if rows is None:
         return _layer_attention(layer, query, key, value, scaling, extras), None
