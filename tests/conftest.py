@@ -1,5 +1,6 @@
-"""Shared test set-up: one torch thread count, no autograd, and the tiny chat-style model every chat/summarize test
-uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it)."""
+"""Shared test set-up: one torch thread count, no autograd, a model cache of each test's own, and the tiny
+chat-style model every chat/summarize test uses (a byte-level BPE tokenizer with SmolLM2's chat template and a
+random llama sized to it)."""
 
 import sys
 from pathlib import Path
@@ -21,6 +22,14 @@ DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _own_model_cache(request, monkeypatch, tmp_path):
+    """Every test but the slow ones (which use the real models, fetched once) gets an empty model cache of its own:
+    a .gguf a test loads is converted into it, never into the user's."""
+    if not request.node.get_closest_marker("slow"):
+        monkeypatch.setenv("H2O_STREAM_CACHE", str(tmp_path / "model-cache"))
 
 
 @pytest.fixture(scope="module")
