@@ -28,7 +28,7 @@ SUITES = {
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
-    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs).",
+    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence).",
     "leaderboard": "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
     "long": "The long fair-chunk runs and their report (parts: fair, 4m, report).",
     "needle": "Passkey retrieval through the cache, every policy.",

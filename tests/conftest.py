@@ -1,7 +1,8 @@
-"""Shared test set-up: every test in an empty working directory of its own and an environment without the user's
-Hugging Face or h2o-stream settings; one torch thread count, no autograd; the tiny chat-style model every
-chat/summarize test uses (a byte-level BPE tokenizer with SmolLM2's chat template and a random llama sized to it),
-saved as a model directory and as a GGUF file; and the character-tokenizer model directory of the ppl tests."""
+"""Shared test set-up: every test in an empty working directory of its own, an environment without the user's
+Hugging Face or h2o-stream settings and a model cache of its own (the slow tests share the real models, fetched
+once); one torch thread count, no autograd; the tiny chat-style model every chat/summarize test uses (a byte-level
+BPE tokenizer with SmolLM2's chat template and a random llama sized to it), saved as a model directory and as a GGUF
+file; and the character-tokenizer model directory of the ppl tests."""
 
 import os
 import shutil
@@ -70,6 +71,14 @@ def _hermetic(monkeypatch, tmp_path_factory):
 def _no_grad():
     with torch.no_grad():
         yield
+
+
+@pytest.fixture(autouse=True)
+def _own_model_cache(request, monkeypatch, tmp_path):
+    """Every test but the slow ones (which use the real models, fetched once) gets an empty model cache of its own:
+    a .gguf a test loads is converted into it, never into the user's."""
+    if not request.node.get_closest_marker("slow"):
+        monkeypatch.setenv("H2O_STREAM_CACHE", str(tmp_path / "model-cache"))
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from tiny_models import random_ids, tiny_model
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import RowsCache, StreamingLayer
 from h2o_stream.engine import compiled as compiled_module
-from h2o_stream.engine.hooks import _layer_attention
+from h2o_stream.engine.hooks import Extras, _layer_attention
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.rope_rolling import RopeRoller
 
@@ -53,7 +53,7 @@ def calls(monkeypatch):
 
 def streaming_attention_of(layer, query, key, value):
     """What the registered attention function computes for `layer` (one scanned block of one token)."""
-    return _layer_attention(layer, query, key, value, None, 0.25, None)
+    return _layer_attention(layer, query, key, value, 0.25, Extras())
 
 
 def _decode(model, policy, ids, *, compiled, monkeypatch, rolling=True, forward=1, decide_every=None):

