@@ -4,8 +4,8 @@ that go away mid-stream, and conversations served side by side."""
 
 from __future__ import annotations
 
+import io
 import json
-import os
 import threading
 import urllib.error
 import urllib.request
@@ -190,22 +190,23 @@ def test_requests_beyond_the_queue_get_429_and_the_server_goes_on(model, tokeniz
             pytest.fail("the server stayed busy")
 
 
-def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer):
-    import subprocess
-    import sys
+def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer, monkeypatch, capsys):
+    from h2o_stream.cli import main
 
-    run = subprocess.run([sys.executable, "-m", "h2o_stream", "chat", "--server", server.url, "--temperature", "0",
-                          "--max-new-tokens", "4", "--system", "repl helper"],
-                         input="hello world\n/stats\ntwo plus two\n/save x.session\n", capture_output=True,
-                         text=True, timeout=120, check=False, env={**os.environ, "OMP_NUM_THREADS": "1",
-                                                      "H2O_STREAM_CHAT_HISTORY": ""})
+    monkeypatch.setenv("H2O_STREAM_CHAT_HISTORY", "")
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello world\n/stats\ntwo plus two\n/save x.session\n"))
+    with pytest.raises(SystemExit) as done:
+        main(["chat", "--server", server.url, "--temperature", "0", "--max-new-tokens", "4", "--system",
+              "repl helper"])
+    out, err = capsys.readouterr()
     ref = reference(model, tokenizer, system="repl helper")
     replies = [ref.chat("hello world").text, ref.chat("two plus two").text]
-    assert run.stdout.startswith(replies[0] + "\n") and replies[1] + "\n" in run.stdout
-    assert "turns:           1" in run.stdout and "/save is not available with --server" in run.stderr
-    assert run.returncode == 1  # the refused /save
+    assert out.startswith(replies[0] + "\n") and replies[1] + "\n" in out
+    assert "turns:           1" in out and "/save is not available with --server" in err
+    assert done.value.code == 1  # the refused /save
     assert any(r.turns == 2 for r in server.store.records.values())
-    nobody = subprocess.run([sys.executable, "-m", "h2o_stream", "chat", "--server", "http://127.0.0.1:1"],
-                            input="hi\n", capture_output=True, text=True, timeout=120, check=False)
-    assert nobody.returncode == 2 and nobody.stderr.strip().splitlines()[-1].startswith(
+    with pytest.raises(SystemExit) as nobody:
+        main(["chat", "--server", "http://127.0.0.1:1"])
+    assert nobody.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
         "Error: cannot reach a server at http://127.0.0.1:1/v1")
