@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
-from ppl_helpers import command, ppl, ppl_model_dir, write_corpus  # noqa: F401
+from ppl_helpers import command, ppl, write_corpus
 
 POLICIES = "h2o,sink"
 
@@ -28,7 +28,7 @@ def refused(capsys, *args) -> str:
 
 
 @pytest.fixture(scope="module")
-def finished(tmp_path_factory, ppl_model_dir):  # noqa: F811
+def finished(tmp_path_factory, ppl_model_dir):
     """A finished leaderboard (h2o and sink at cache 16 over 300 tokens), made once: its folder and arguments."""
     where = tmp_path_factory.mktemp("finished")
     corpus = write_corpus(where / "corpus.jsonl")
