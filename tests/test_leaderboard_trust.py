@@ -225,3 +225,16 @@ def test_randomly_damaged_results_never_give_a_traceback_or_replace_a_file(capsy
         return
     assert code == 2 and path.name in stderr.strip().splitlines()[-1], stderr
     assert (board / "leaderboard.md").read_text() == "my notes\n"
+
+
+def test_a_dollar_in_the_corpus_or_model_name_is_drawn_as_text(capsys, board, tmp_path):
+    from h2o_stream.apps.perplexity.report import plot_curves, results_in
+
+    for path in (board / "runs").glob("*-16.json"):
+        edit(path, lambda r: r["settings"].update(data=r"books $\undefined^$ (local jsonl)", model="m$del"))
+    code, _, stderr = leaderboard(capsys, "--out", board, "--report-only")
+    assert code == 0, stderr
+    assert (board / "leaderboard.md").read_text() != "my notes\n"
+    assert all((board / name).stat().st_size > 0 for name in ("ppl_vs_cache.png", "windowed_ppl.png"))
+    plot_curves(results_in(board / "runs"), tmp_path / "ppl.png", r"a $\undefined^$ title")
+    assert (tmp_path / "ppl.png").stat().st_size > 0

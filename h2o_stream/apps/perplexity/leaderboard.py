@@ -18,7 +18,7 @@ import textwrap
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
-from .report import LINE_STYLES, cache_size, check_comparable, results_in, title_of
+from .report import LINE_STYLES, cache_size, check_comparable, plain_text, results_in, title_of
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
@@ -123,6 +123,7 @@ def _styles(results: list[dict]) -> dict[str, str]:
     return {p: LINE_STYLES[i // 10 % len(LINE_STYLES)] for i, p in enumerate(policies)}
 
 
+@plain_text
 def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -145,6 +146,7 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
     _save(fig, path)
 
 
+@plain_text
 def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     plt = _pyplot()
     sizes = sorted({cache_size(r) for r in results if cache_size(r) is not None})

@@ -6,6 +6,7 @@ here; each policy gets its own line style in the order the policies first appear
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -83,11 +84,22 @@ def title_of(results: list[dict]) -> str:
     return " | ".join(pairs)
 
 
+def plain_text(plot):
+    """`plot` drawn with matplotlib's Agg backend and its text taken as it is: labels and titles carry the user's
+    strings (a corpus or model path), where a `$` would otherwise start math text and a stray one fail the plot."""
+    @functools.wraps(plot)
+    def drawn(*args, **kwargs):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
+            return plot(*args, **kwargs)
+    return drawn
+
+
+@plain_text
 def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> None:
     """Running PPL vs tokens, one line per policy × cache size (H2O paper, Figure 5 style)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(8, 4.8))
