@@ -8,6 +8,7 @@ import shlex
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from ppl_helpers import command, ppl, run_to_end, subprocess_env, wait_for, write_corpus
@@ -96,6 +97,43 @@ def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, bo
     (tmp_path / "board" / "leaderboard.md").unlink()
     code, stdout, _ = leaderboard(capsys, "--out", tmp_path / "board", "--report-only")
     assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
+
+
+def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(capsys, tmp_path, ppl_model_dir,
+                                                                              monkeypatch):
+    """A corpus named like a formula ('$\\frac$' would stop mathtext) is drawn as it is written; with one cache size
+    the policies are bars on an axis from 0; the windows say how long they are; titles stay inside the image."""
+    import h2o_stream.apps.perplexity.leaderboard as board_module
+    import h2o_stream.apps.perplexity.report as report_module
+
+    figures = {}
+
+    def keep(save):
+        def saving(fig, path):
+            fig.canvas.draw()
+            figures[Path(path).name] = fig
+            return save(fig, path)
+        return saving
+
+    monkeypatch.setattr(board_module, "save_figure", keep(board_module.save_figure))
+    monkeypatch.setattr(report_module, "save_figure", keep(report_module.save_figure))
+    corpus = write_corpus(tmp_path / "books $\\frac$ of 1900.jsonl")
+    out = tmp_path / "board"
+    code, _, stderr = leaderboard(capsys, "--model", ppl_model_dir, "--data", corpus, "--policy", "h2o,sink",
+                                  "--cache-size", 16, "--tokens", 2500, "--out", out)  # 3 points a run: 2 windows
+    assert code == 0, stderr
+    assert {"ppl_vs_cache.png", "windowed_ppl.png", "ppl.png"} <= set(figures)
+    for name, fig in figures.items():
+        title = fig.get_suptitle()
+        assert "books $\\frac$ of 1900.jsonl" in title.replace("\n", " "), name
+        box, page = fig._suptitle.get_window_extent(), fig.bbox
+        assert 0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, f"{name}: title clipped"
+        assert (out / "runs" / name).is_file() or (out / name).is_file()
+    bars = figures["ppl_vs_cache.png"].axes[0]
+    assert len(bars.patches) == 2 and bars.get_ylim()[0] == 0
+    assert sorted(tick.get_text() for tick in bars.get_xticklabels()) == ["h2o", "sink"]
+    # curve points fall at forward ends (every 1,000 predicted tokens, rounded up to a forward of 256 tokens)
+    assert figures["windowed_ppl.png"].axes[0].get_title() == "cache 16, windows of about 1,023 tokens"
 
 
 def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):

@@ -3,7 +3,10 @@ signal to the command checkpoints every worker's run so that --resume continues 
 
 from __future__ import annotations
 
+import io
 import json
+import queue
+import re
 import shlex
 import signal
 import subprocess
@@ -12,6 +15,7 @@ import sys
 import pytest
 from ppl_helpers import assert_same_runs, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
+from h2o_stream.apps.perplexity.progress import Bars, SentBars
 from h2o_stream.files import WRITE_DELAY_ENV
 
 RUNS = ["h2o-16", "sink-16", "tova-16", "h2o-24"]
@@ -80,12 +84,11 @@ def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):
 
 
 def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once(ppl_model_dir, tmp_path):  # noqa: F811
-    """Two workers' runs drawn by the parent: each bar names its run and the second sits on a line of its own (the
-    cursor goes back up to it, \\x1b[A); transformers' "Loading weights" shows once (the parent), not per worker; a
-    line says what loads before the quiet seconds of importing torch."""
+    """Two workers' runs, drawn by the parent: each bar names its run; transformers' "Loading weights" shows once (the
+    parent's), not per worker; a line says what loads before the quiet seconds of importing torch."""
     pexpect = pytest.importorskip("pexpect")
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    env = {key: value for key, value in subprocess_env(**{WRITE_DELAY_ENV: "0.05"}).items() if key != "TQDM_DISABLE"}
+    env = {key: value for key, value in subprocess_env(**{WRITE_DELAY_ENV: "0.1"}).items() if key != "TQDM_DISABLE"}
     command = ppl_command("--model", ppl_model_dir, "--data", corpus, "--tokens", 1000, "--policy", "h2o,sink",
                           "--cache-size", 16, "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1,
                           "--workers", 2, "--out", tmp_path / "out")
@@ -98,6 +101,41 @@ def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once
     assert shown.index("loading torch, transformers and") < shown.index("runs on 2 workers")
     assert shown.count("Loading weights: 100%") == 1, shown
     for name in ("h2o-16", "sink-16"):
-        assert f"{name}: 100%|" in shown, shown[-3000:]
-    assert "\x1b[A" in shown  # a bar below the first one: each run on its own line
+        assert re.search(rf"\r{name}: +\d+%\|", shown), shown[-3000:]
     assert (tmp_path / "out" / "h2o-16.json").is_file()
+
+
+class Terminal(io.StringIO):
+    """What a bar draws on, as if it were a terminal 100 columns wide."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_bars_of_runs_in_progress_sit_on_lines_of_their_own():
+    screen = Terminal()
+    bars = Bars(leave=False, file=screen)
+    bars.update("h2o-256", 256, 3000)
+    bars.update("sink-256", 512, 3000, "ppl=41.07")
+    bars.update("h2o-256", 768, 3000, "ppl=50.10")
+    drawn = screen.getvalue()
+    assert "h2o-256:" in drawn and "sink-256:" in drawn and "ppl=41.07" in drawn
+    assert "\x1b[A" in drawn  # the second run's bar is drawn a line below, and the cursor goes back up
+    assert len({bar.pos for bar in bars.bars.values()}) == 2
+    bars.note(lambda text: screen.write(text + "\n"), "[worker 0] h2o-256 done")
+    assert "[worker 0] h2o-256 done\n" in screen.getvalue()
+    bars.close()
+    assert bars.bars == {}
+
+
+def test_a_worker_sends_a_runs_progress_at_most_twice_a_second_and_always_its_end():
+    sent = queue.Queue()
+    bars = SentBars(sent, 1)
+    for position in range(0, 3000, 100):
+        bars.update("h2o-256", position, 3000)
+    bars.update("h2o-256", 3000, 3000, "ppl=40.00")
+    bars.finish("h2o-256")
+    events = [sent.get_nowait() for _ in range(sent.qsize())]
+    assert events[0] == (1, "progress", ("h2o-256", 0, 3000, None))
+    assert events[-2:] == [(1, "progress", ("h2o-256", 3000, 3000, "ppl=40.00")), (1, "finished", "h2o-256")]
+    assert len(events) == 3  # the updates in between came within half a second of the first

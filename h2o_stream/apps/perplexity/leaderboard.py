@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import math
 import os
-import textwrap
+import statistics
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
-from .report import LINE_STYLES, cache_size, check_comparable, plain_text, results_in, title_of
+from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_in, save_figure, title_figure,
+                     title_of)
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
@@ -102,20 +103,14 @@ def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> di
     return board
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def _save(fig, path: Path) -> None:
-    fig.tight_layout()
-    with atomic_path(path) as partial:
-        fig.savefig(partial, dpi=120)
-    _pyplot().close(fig)
+def _windows_text(ends: list[int]) -> str:
+    """', windows of 1,000 tokens' (or 'of about ...' when they differ: curve points fall at forward ends) for windows
+    ending at `ends`, the first starting at 0; '' for none."""
+    lengths = [end - start for start, end in zip([0, *ends], ends)]
+    if not lengths:
+        return ""
+    typical = statistics.median_low(lengths)
+    return f", windows of {'' if len(set(lengths)) == 1 else 'about '}{typical:,} tokens"
 
 
 def _styles(results: list[dict]) -> dict[str, str]:
@@ -123,46 +118,55 @@ def _styles(results: list[dict]) -> dict[str, str]:
     return {p: LINE_STYLES[i // 10 % len(LINE_STYLES)] for i, p in enumerate(policies)}
 
 
-@plain_text
 def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    bounded = [r for r in results if cache_size(r) is not None]
-    styles = _styles(bounded)
-    for policy, style in styles.items():
-        runs = sorted((cache_size(r), r["ppl"]) for r in bounded if r["settings"]["policy"] == policy)
-        ax.plot([s for s, _ in runs], [p for _, p in runs], style, marker="o", label=policy)
-    for r in results:
-        if cache_size(r) is None:
-            ax.axhline(r["ppl"], color="gray", linewidth=1, label=f"{r['settings']['policy']} (no eviction)")
-    ax.set_xscale("log", base=2)
-    sizes = sorted({cache_size(r) for r in bounded})
-    ax.set_xticks(sizes, [str(s) for s in sizes])
-    ax.set_xlabel("cache size (entries per layer and KV head)")
+    """PPL against cache size, one line per policy; with a single cache size, one bar per policy from 0 (two dots
+    on an axis zoomed to their gap would make a 1% difference look like a chasm)."""
+    fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
+    reference = [r for r in results if cache_size(r) is None]  # no eviction: a line across, not a contestant
+    results = [r for r in results if cache_size(r) is not None]
+    sizes = sorted({cache_size(r) for r in results})
+    if len(sizes) == 1:
+        runs = sorted(results, key=lambda r: r["ppl"])
+        bars = ax.bar([r["settings"]["policy"] for r in runs], [r["ppl"] for r in runs], color="#4c72b0")
+        ax.bar_label(bars, fmt="%.2f", fontsize=8)
+        ax.set_ylim(0, max(r["ppl"] for r in runs) * 1.12)
+        ax.set_xlabel(f"policy, at cache size {sizes[0]} (entries per layer and KV head)")
+    else:
+        for policy, style in _styles(results).items():
+            runs = sorted((cache_size(r), r["ppl"]) for r in results if r["settings"]["policy"] == policy)
+            ax.plot([s for s, _ in runs], [p for _, p in runs], style, marker="o", label=policy)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(s) for s in sizes])
+        ax.set_xlabel("cache size (entries per layer and KV head)")
+        ax.legend(fontsize=8)
+    for r in reference:
+        ax.axhline(r["ppl"], color="gray", linewidth=1, label=f"{r['settings']['policy']} (no eviction)")
+        ax.legend(fontsize=8)
     ax.set_ylabel("perplexity")
-    ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    _save(fig, path)
+    title_figure(fig, title)
+    save_figure(fig, path)
 
 
-@plain_text
 def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
-    plt = _pyplot()
+    """PPL of consecutive windows of the stream (each window's own, not the running PPL), one panel per cache size;
+    each panel says how long its windows are."""
     sizes = sorted({cache_size(r) for r in results if cache_size(r) is not None})
-    fig, axes = plt.subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False)
+    fig, axes = pyplot().subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False,
+                                  layout="constrained")
     styles = _styles(results)
     for ax, size in zip(axes[0], sizes):
+        ends = set()
         # each panel: that size's runs, and the reference (no eviction) in every panel
         for r in sorted((r for r in results if cache_size(r) in (size, None)), key=lambda r: r["settings"]["policy"]):
             points = windowed(r["curve"])
+            ends.update(n for n, _ in points)
             policy = r["settings"]["policy"]
             ax.plot([n for n, _ in points], [p for _, p in points], styles[policy], label=policy)
-        ax.set_title(f"cache {size}", fontsize=9)
+        ax.set_title(f"cache {size}{_windows_text(sorted(ends))}", fontsize=9)
         ax.set_xlabel("tokens")
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel("perplexity of each window")
     axes[0][0].legend(fontsize=7)
-    # wrapped to the figure's width: with one cache size the figure is narrower than the title
-    fig.suptitle("\n".join(textwrap.wrap(title, width=int(14 * fig.get_figwidth()))), fontsize=9)
-    _save(fig, path)
+    title_figure(fig, title)
+    save_figure(fig, path)

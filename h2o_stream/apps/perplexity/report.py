@@ -6,8 +6,8 @@ here; each policy gets its own line style in the order the policies first appear
 
 from __future__ import annotations
 
-import functools
 import os
+import textwrap
 from pathlib import Path
 
 from h2o_stream.engine.policies import POLICIES, policy_class
@@ -84,25 +84,9 @@ def title_of(results: list[dict]) -> str:
     return " | ".join(pairs)
 
 
-def plain_text(plot):
-    """`plot` drawn with matplotlib's Agg backend and its text taken as it is: labels and titles carry the user's
-    strings (a corpus or model path), where a `$` would otherwise start math text and a stray one fail the plot."""
-    @functools.wraps(plot)
-    def drawn(*args, **kwargs):
-        import matplotlib
-
-        matplotlib.use("Agg")
-        with matplotlib.rc_context({"text.parse_math": False, "text.usetex": False}):
-            return plot(*args, **kwargs)
-    return drawn
-
-
-@plain_text
 def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> None:
     """Running PPL vs tokens, one line per policy × cache size (H2O paper, Figure 5 style)."""
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 4.8))
+    fig, ax = pyplot().subplots(figsize=(8, 4.8), layout="constrained")
     policies = list(dict.fromkeys(r["settings"]["policy"] for r in results))
     for result in sorted(results, key=lambda r: (r["settings"]["policy"], cache_size(r) or 0)):
         curve = result["curve"]
@@ -113,13 +97,36 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
                 label=f"{policy} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})")
     ax.set_xlabel("tokens")
     ax.set_ylabel("running perplexity")
-    ax.set_title(title, fontsize=10)
+    title_figure(fig, title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
+    save_figure(fig, path)
+
+
+def pyplot():
+    """matplotlib.pyplot on its file-only backend (Agg)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def title_figure(fig, title: str, fontsize: float = 9) -> None:
+    """`title` (the model and corpus: the user's words) above the whole figure, wrapped to its width and taken as
+    plain text: a '$' in a path is a dollar sign, not the start of a formula (mathtext would fail on it)."""
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # a character is ~0.5 em wide, plus margin
+    fig.suptitle("\n".join(textwrap.wrap(title, width=chars)) or " ", fontsize=fontsize, parse_math=False,
+                 usetex=False)
+
+
+def save_figure(fig, path: str | os.PathLike) -> None:
+    """Write `fig` to `path` as a PNG, whole or not at all, and free it. Figures use the constrained layout, which
+    keeps their titles and labels inside the image."""
     with atomic_path(path) as partial:
         fig.savefig(partial, dpi=120)
-    plt.close(fig)
+    pyplot().close(fig)
 
 
 def summary_table(results: list[dict]) -> str:
