@@ -40,6 +40,9 @@ def no_cluster_here(monkeypatch):
     monkeypatch.setattr(services, "_find_address_from_flag", lambda flag: set())  # no raylet process found
     services.find_gcs_addresses.cache_clear()  # nor one remembered from an earlier look
     monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir=None: None)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)  # ray.init sets its own, process-wide, even when it cannot connect
 
 
 def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, no_cluster_here):
