@@ -24,15 +24,16 @@ SUITES = {
     "soak": "eval.soak:soak",
     "device": "eval.device_check:main",
     "render": "eval.render:render",
-    # "serve": "eval.serve_load:serve",  # the serve load benchmark, once eval/serve_load.py exists
+    "serve": "eval.serve_load:serve",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
-    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs).",
+    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence).",
     "leaderboard": "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
     "long": "The long fair-chunk runs and their report (parts: fair, 4m, report).",
     "needle": "Passkey retrieval through the cache, every policy.",
     "soak": "Long chats and generated text (parts: chat, defaults).",
+    "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
 }

@@ -1,11 +1,13 @@
-"""The suites over `h2o-stream ppl` run folders: quality, leaderboard and long. None loads a model itself: each reads
-run results, or prints and runs (one at a time) the `h2o-stream ppl` / `h2o-stream leaderboard` commands that made
-the committed folders.
+"""The suites over `h2o-stream ppl` run folders: quality, leaderboard and long. Each reads run results, or prints and
+runs (one at a time) the `h2o-stream ppl` / `h2o-stream leaderboard` commands that made the committed folders; only
+`quality equivalence` loads a model itself.
 
 - quality gap: fair chunked mode against exact mode on the same stream, every policy. It reads run folders (one run
   per policy; exact mode in --exact-dir, the default fair chunks in --chunked-dir) and writes, per policy found in
   both: exact and chunked PPL over the same tokens (their streams' sha256 checked), the relative gap, its standard
   error, the chunk size and the keys the queries saw. `quality runs`: the runs it reads.
+- quality equivalence: on a real model (Gemma 3 270M by default), a full cache streamed in chunks equals the model's
+  own forward (mean NLL, sliding windows included) and chunked sink equals exact sink, per token.
 - leaderboard: every policy at cache 128, 256 and 512 over one stream (`h2o-stream leaderboard`).
 - long fair / 4m: the long runs (`h2o-stream ppl --resume` continues them), then their report. `long report DIR`
   reads the results in DIR and writes DIR/report.json and DIR/figure5.png: running PPL and PPL per window against
@@ -46,7 +48,7 @@ PPL_RUNS = (
 
 @click.group()
 def quality():
-    """Fair chunks vs exact mode: the perplexity gap (parts: gap, runs)."""
+    """Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence)."""
 
 
 @quality.command()
@@ -149,6 +151,88 @@ def runs(data, only, dry_run):
                  "--threads", "1", "--resume", "--out", str(RUNS / folder)]
                 for folder, policies, options in PPL_RUNS if chosen is None or folder in chosen]
     run_commands(commands, dry_run)
+
+
+EQUIVALENCE_TARGET = 1e-4  # mean NLL (full cache) and per-token NLL (sinks), in nats
+
+
+@quality.command()
+@click.option("--model", "model_spec", default="gemma3-270m", show_default=True)
+@click.option("--data", default="sample", show_default=True, help="The corpus whose first tokens are read.")
+@click.option("--tokens", default=2048, show_default=True)
+@click.option("--chunk", default=256, show_default=True, help="Tokens per forward of the streamed runs.")
+@click.option("--cache-size", default=256, show_default=True, help="The sink cache's budget.")
+@click.option("--threads", default=2, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
+              default=RESULTS / "models" / "gemma3_equivalence.json", show_default=True)
+def equivalence(model_spec, data, tokens, chunk, cache_size, threads, out):
+    """Full cache in chunks = the model's forward; chunked sink = exact sink (models/gemma3_equivalence.json)."""
+    from eval.common import corpus_record, corpus_tokens, environment, load_model, setup
+
+    setup(threads)
+    loaded = load_model(model_spec)
+    ids = corpus_tokens(loaded.tokenizer, tokens, data).unsqueeze(0)
+    measured = equivalence_measures(loaded.model, ids, chunk, cache_size)
+    config = loaded.model.config.get_text_config(decoder=True)
+    report = {"benchmark": "a full cache streamed in chunks against the model's own forward; chunked sink against "
+                           "exact sink", "model": loaded.name, "data": corpus_record(data), "tokens": tokens,
+              "chunk": chunk, "cache_size": cache_size,
+              "layer_types": sorted(set(getattr(config, "layer_types", None) or ["full_attention"])),
+              "sliding_window": getattr(config, "sliding_window", None),
+              "targets": {"nll": EQUIVALENCE_TARGET}, **measured, "versions": environment()}
+    write_result(out, report, plot_equivalence)
+
+
+def equivalence_measures(model, ids, chunk: int, cache_size: int) -> dict:
+    """Per-token NLL of `ids` (1, T) from the model's own forward, a full StreamingCache fed `chunk` tokens per
+    forward, and sink caches of `cache_size` in exact mode and in chunks: their differences and the seconds each
+    took."""
+    import time
+
+    import torch
+
+    from h2o_stream import StreamingCache, make_policy
+
+    def nll(logits):
+        return torch.nn.functional.cross_entropy(logits[0, :-1].double(), ids[0, 1:], reduction="none")
+
+    def streamed(cache, width):
+        with torch.no_grad():
+            return torch.cat([model(ids[:, s:s + width], cache=cache).logits for s in range(0, ids.shape[1], width)],
+                             dim=1)
+
+    runs, seconds = {}, {}
+    for name, run in (("forward", lambda: model(ids).logits),
+                      ("full_chunked", lambda: streamed(StreamingCache(model, make_policy("full")), chunk)),
+                      ("sink_exact", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)), 1)),
+                      ("sink_chunked", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)),
+                                                        chunk))):
+        start = time.perf_counter()
+        with torch.no_grad():
+            runs[name] = nll(run())
+        seconds[name] = time.perf_counter() - start
+    return {"mean_nll": {name: values.mean().item() for name, values in runs.items()},
+            "full_vs_forward": {"mean_nll_difference": (runs["full_chunked"].mean() - runs["forward"].mean()).item(),
+                                "max_token_difference": (runs["full_chunked"] - runs["forward"]).abs().max().item()},
+            "sink_chunked_vs_exact": {"max_token_difference":
+                                      (runs["sink_chunked"] - runs["sink_exact"]).abs().max().item(),
+                                      "mean_nll_difference":
+                                      (runs["sink_chunked"].mean() - runs["sink_exact"].mean()).item()},
+            "seconds": seconds}
+
+
+def plot_equivalence(report: dict, path: Path) -> None:
+    pairs = {"full cache in chunks\n− own forward (mean)": abs(report["full_vs_forward"]["mean_nll_difference"]),
+             "full cache in chunks\n− own forward (max token)": report["full_vs_forward"]["max_token_difference"],
+             "chunked sink\n− exact sink (max token)": report["sink_chunked_vs_exact"]["max_token_difference"]}
+    fig, ax = new_figure(size=(6.4, 3.6))
+    ax.bar(list(pairs), [max(v, 1e-12) for v in pairs.values()], color="#4c72b0")
+    ax.axhline(report["targets"]["nll"], color="red", linestyle="--")
+    ax.set_yscale("log")
+    ax.set_ylabel("|NLL difference| (nats)")
+    ax.tick_params(axis="x", labelsize=8)
+    save_figure(fig, path, f"{report['model']}, {report['tokens']:,} tokens, chunks of {report['chunk']}, "
+                           f"sink cache {report['cache_size']}")
 
 
 EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens

@@ -18,6 +18,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -373,24 +374,31 @@ STARTUP = (("--help",), ("ppl", "--help"), ("ppl", "--nope"))
 
 @speed.command()
 @click.option("--rounds", default=10, show_default=True)
+@click.option("--model", "model_spec", default=None,
+              help="Time instead a short `ppl` on this model, launch to exit (run it once before: its later starts).")
 @out_dir_option
-def startup(rounds, out_dir):
-    """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json."""
+def startup(rounds, model_spec, out_dir):
+    """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json (with --model,
+    of a 16-token `ppl` on that model: startup_MODEL.json)."""
     program = shutil.which("h2o-stream", path=str(Path(sys.executable).parent)) or shutil.which("h2o-stream")
     if program is None:
         raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
+    commands = STARTUP if model_spec is None else (
+        ("ppl", "--model", model_spec, "--data", "sample", "--policy", "sink", "--tokens", "16", "--out", "OUT"),)
     statuses = {}
     load = os.getloadavg()  # on a shared machine, what else was running
 
     def step(arguments):
         def run(_r, _i):
-            started = time.perf_counter()
-            done = subprocess.run([program, *arguments], capture_output=True)
-            statuses[arguments] = done.returncode
-            return time.perf_counter() - started
+            with tempfile.TemporaryDirectory(prefix="h2o-stream-startup-") as work:  # a fresh --out every time
+                started = time.perf_counter()
+                done = subprocess.run([program, *(str(Path(work) / "out") if a == "OUT" else a for a in arguments)],
+                                      capture_output=True)
+                statuses[arguments] = done.returncode
+                return time.perf_counter() - started
         return run
 
-    seconds = alternate({arguments: step(arguments) for arguments in STARTUP}, rounds)
+    seconds = alternate({arguments: step(arguments) for arguments in commands}, rounds)
     commands = {" ".join(("h2o-stream", *a)): {"median_seconds": statistics.median(v), "max_seconds": max(v),
                                                "seconds": v, "exit_status": statuses[a]} for a, v in seconds.items()}
     print({command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
@@ -398,7 +406,10 @@ def startup(rounds, out_dir):
     report = {"benchmark": "CLI start-up: fresh processes, launch to exit", "rounds": rounds,
               "environment": environment(), "cpus": os.cpu_count(), "load_average_at_start": list(load),
               "commands": commands}
-    write_result(out_dir / "startup.json", report, plot_startup)
+    if model_spec is not None:
+        report["model"] = model_spec
+    name = "startup.json" if model_spec is None else f"startup_{Path(model_spec).name}.json"
+    write_result(out_dir / name, report, plot_startup)
 
 
 def plot_startup(report: dict, path: Path) -> None:

@@ -86,7 +86,7 @@ class Oracle:
                  per_head: bool = False, separator_ids=(), rolling: bool = True):
         config = model.config
         assert config.rope_parameters["rope_type"] == "default"
-        assert policy_name in self.POLICIES
+        assert policy_name in self.POLICIES, f"no cut rules for {policy_name!r} here: spell them out in `cut`"
         self.model = model
         self.policy_name, self.sinks, self.heavy, self.recent = policy_name, sinks, heavy, recent
         self.states, self.separators, self.diverse, self.volatile = states, separators, diverse, volatile

@@ -1,5 +1,6 @@
-"""Shared set-up of the `h2o-stream ppl` hardening tests (tests/test_ppl_*.py): a tiny model directory, a corpus, the
-command run in-process (its exit status, stdout and stderr) or as a subprocess, and file snapshots."""
+"""Shared set-up of the `h2o-stream ppl` tests (their tiny model directory is conftest's `ppl_model_dir`): a corpus,
+the command run in-process (its exit status, stdout and stderr) or as a subprocess, waiting on a running one, and file
+snapshots."""
 
 from __future__ import annotations
 
@@ -7,21 +8,13 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
-
-import pytest
-from tiny_models import save_tiny_model_dir
 
 from h2o_stream.cli import main
 
 TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
         "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
-
-
-@pytest.fixture(scope="module")
-def ppl_model_dir(tmp_path_factory):
-    """A tiny llama with a character tokenizer (it adds a BOS), as a model directory."""
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-ppl-model"), init_std=0.2)
 
 
 def write_corpus(path: Path, books: int = 3, text: str = TEXT) -> Path:
@@ -93,3 +86,12 @@ def run_to_end(command: list[str], **env: str) -> subprocess.CompletedProcess:
     done = subprocess.run(command, env=subprocess_env(**env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     return done
+
+
+def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 120) -> None:
+    """Poll `condition` until it holds; fail if `process` ends first or `timeout` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the run ended (status {process.returncode}) before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)

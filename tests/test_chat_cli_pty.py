@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import io
 import os
 import re
 import signal
@@ -12,6 +13,28 @@ import time
 import pytest
 
 from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, real_model_available  # noqa: F401
+
+
+@pytest.mark.parametrize("setting, written", [(None, "cache/chat_history"), ("mine/history", "mine/history"),
+                                              ("", None)], ids=["default", "H2O_STREAM_CHAT_HISTORY", "off"])
+def test_a_terminal_chat_keeps_its_history_in_the_cache_directory_unless_told_otherwise(setting, written, tmp_path,
+                                                                                         monkeypatch):
+    pytest.importorskip("readline")
+    from h2o_stream.cli.chat import Repl
+
+    monkeypatch.setenv("H2O_STREAM_CACHE", str(tmp_path / "cache"))
+    if setting is None:
+        monkeypatch.delenv("H2O_STREAM_CHAT_HISTORY", raising=False)
+    else:
+        monkeypatch.setenv("H2O_STREAM_CHAT_HISTORY", str(tmp_path / setting) if setting else "")
+
+    def ctrl_d(prompt):
+        raise EOFError
+
+    monkeypatch.setattr("builtins.input", ctrl_d)
+    assert list(Repl(None, interactive=True, out=io.StringIO()).lines()) == []
+    files = sorted(path.relative_to(tmp_path).as_posix() for path in tmp_path.rglob("*") if path.is_file())
+    assert files == ([written] if written else [])
 
 
 def spawn(args, timeout=120):

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper,
-                          TopKLogitsWarper, TopPLogitsWarper)
+from transformers import TopPLogitsWarper
 
 from chat_helpers import TRAINING_TEXTS, tiny_tokenizer  # noqa: F401  (TRAINING_TEXTS: for conftest's tokenizer)
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
@@ -42,16 +41,6 @@ def test_greedy_top_p_and_seeded_sampling():
     draws = [[sample_token(logits, Sampling(temperature=1), torch.Generator().manual_seed(s)) for s in range(30)]
              for _ in range(2)]
     assert draws[0] == draws[1]
-
-
-def test_the_processor_list_is_transformers_classes_in_generates_order():
-    sampling = Sampling(temperature=0.5, top_k=3, top_p=0.8, repetition_penalty=1.5, no_repeat_ngram_size=2)
-    assert [type(p) for p in logits_processors(sampling)] == [
-        RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper,
-        SortFreeTopPLogitsWarper]  # transformers' TopPLogitsWarper with the same output: the next test
-    greedy = Sampling(temperature=0, top_k=3, repetition_penalty=1.5)
-    assert [type(p) for p in logits_processors(greedy)] == [RepetitionPenaltyLogitsProcessor]  # no warpers
-    assert len(logits_processors(Sampling(temperature=1, top_p=1))) == 0
 
 
 def test_the_sort_free_top_p_gives_exactly_what_transformers_top_p_gives():

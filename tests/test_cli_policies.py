@@ -4,6 +4,8 @@ model is loaded, in ppl, chat and summarize."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from click.testing import CliRunner
@@ -12,7 +14,8 @@ from chat_helpers import TRAINING_TEXTS  # noqa: F401  (conftest's tokenizer is 
 from h2o_stream.cli import main
 from h2o_stream.cli.chat import chat
 from h2o_stream.cli.summarize import summarize as summarize_command
-from ppl_helpers import ppl, ppl_error, ppl_model_dir, result, write_corpus  # noqa: F401
+from policy_matrix import ALL
+from ppl_helpers import ppl, ppl_error, result, write_corpus
 
 torch.set_num_threads(1)
 
@@ -25,10 +28,12 @@ def base(ppl_model_dir, tmp_path):
             "--chunk-size", 8, "--cache-size", 16, "--out", tmp_path / "out"]
 
 
-def test_ppl_runs_the_new_policies_and_records_their_settings(base, tmp_path, capsys):
-    code, out, err = ppl(capsys, *base, "--policy", ZOO, "--alpha", 0.9, "--per-head")
+def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_path, capsys):
+    code, out, err = ppl(capsys, *base, "--policy", ",".join(ALL), "--alpha", 0.9, "--per-head")
     assert code == 0, err
-    results = {name: result(tmp_path / "out", f"{name}-16") for name in ZOO.split(",")}
+    runs = [json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json") if path.name != "summary.json"]
+    results = {record["settings"]["policy"]: record for record in runs}
+    assert sorted(results) == sorted(ALL) and len(runs) == len(ALL)
     settings = {name: record["settings"] for name, record in results.items()}
     assert settings["a2sf"]["alpha"] == 0.9 and settings["tova"]["per_head"] is True
     assert settings["tova"]["states"] == 16 and settings["a2sf"]["heavy"] + settings["a2sf"]["recent"] == 16

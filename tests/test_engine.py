@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import Oracle, run_against_oracle
+from oracle import run_against_oracle
 from policy_matrix import ALL, EVICTING, build
 from tiny_models import FAMILIES, random_ids, tiny_model
 from transformers import DynamicCache
@@ -38,7 +38,7 @@ def test_without_rolling_budget_covering_stream_reproduces_plain_forward(family)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
-@pytest.mark.parametrize("policy", [name for name in EVICTING if name in Oracle.POLICIES])
+@pytest.mark.parametrize("policy", EVICTING)  # a policy without rules in tests/oracle.py fails here
 @pytest.mark.parametrize("rolling", [True, False], ids=["rolling", "no-rolling"])
 def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_heads, rolling):
     budget = 8

@@ -195,6 +195,20 @@ def test_soak_chat_and_defaults_keep_their_schemas(model_dir, tmp_path):
     assert shape(written["summaries"][0]) == shape(kept["summaries"][0])
 
 
+
+def test_serve_load_keeps_its_schema_and_refuses_a_memory_bound_that_bounds_nothing(model_dir, tmp_path):
+    suite("serve", "--model", str(model_dir), "--conversations", "2", "--turns", "2", "--in-memory", "1",
+          "--max-tokens", "2", "--threads", "1", "--out", str(tmp_path / "load.json"))
+    written, kept = written_json(tmp_path / "load.json"), committed("serve/load.json")
+    assert shape(written, frozenset({"passed"})).keys() == shape(kept).keys()
+    assert written["settings"].keys() == kept["settings"].keys() and written["rss"].keys() == kept["rss"].keys()
+    assert shape(written["per_request"][0]) == shape(kept["per_request"][0])
+    assert written["requests"] == 4 and written["failed"] == 0 and written["recognised"] == 2
+    assert (tmp_path / "load.png").is_file()
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--conversations", "4", "--in-memory", "4", "--out", str(tmp_path / "no.json")])
+    assert done.value.code == 2 and not (tmp_path / "no.json").exists()
+
 def test_no_committed_result_records_an_absolute_path_or_one_outside_the_repository():
     hits = []
     for path in sorted(RESULTS.rglob("*.json")):

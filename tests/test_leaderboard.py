@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from ppl_helpers import command, ppl, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
-from test_ppl_faults import wait_for
+from ppl_helpers import command, ppl, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.files import WRITE_DELAY_ENV
 
@@ -28,7 +27,7 @@ def leaderboard(capsys, *args) -> tuple[int, str, str]:
 
 
 @pytest.fixture
-def board_args(tmp_path, ppl_model_dir):  # noqa: F811
+def board_args(tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     return ["--model", ppl_model_dir, "--data", corpus, "--policy", POLICIES, "--cache-size", "16,32",
             "--tokens", 300, "--out", tmp_path / "board"]
@@ -82,7 +81,7 @@ def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(cap
     assert json.loads(again["tova-32.json"])["nll_sum"] == json.loads(results["tova-32.json"])["nll_sum"]
 
 
-def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):  # noqa: F811
+def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):
     """The leaderboard always resumes, so the command it prints is the one given (it has no --resume option)."""
     args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
             "--cache-size", 16, "--tokens", 3000, "--checkpoint-every", 40, "--threads", 1, "--out", tmp_path / "b"]
@@ -100,15 +99,15 @@ def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_pat
 
 
 def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, board_args):
-    code, _, stderr = leaderboard(capsys, *board_args[:-2], "--out", tmp_path / "empty", "--report-only")
+    code, _, stderr = leaderboard(capsys, "--out", tmp_path / "empty", "--report-only")
     assert code == 2 and "holds no finished runs" in stderr
     assert leaderboard(capsys, *board_args)[0] == 0
     (tmp_path / "board" / "leaderboard.md").unlink()
-    code, stdout, _ = leaderboard(capsys, *board_args, "--report-only")
+    code, stdout, _ = leaderboard(capsys, "--out", tmp_path / "board", "--report-only")
     assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
 
 
-def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(capsys, tmp_path, ppl_model_dir,  # noqa: F811
+def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(capsys, tmp_path, ppl_model_dir,
                                                                               monkeypatch):
     """A corpus named like a formula ('$\\frac$' would stop mathtext) is drawn as it is written; with one cache size
     the policies are bars on an axis from 0; the windows say how long they are; titles stay inside the image."""
@@ -145,7 +144,7 @@ def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(ca
     assert figures["windowed_ppl.png"].axes[0].get_title() == "cache 16, windows of about 1,023 tokens"
 
 
-def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):  # noqa: F811
+def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--tokens", 200,
             "--out", tmp_path / "out"]

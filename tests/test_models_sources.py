@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from model_files import logits, write_tiny_gguf
+from model_files import logits
 from transformers import LlamaForCausalLM
 
 from h2o_stream.errors import H2OStreamError
@@ -22,12 +22,6 @@ from h2o_stream.loading import sources
 from h2o_stream.loading.models import load_model
 
 TEXT = "hello world, what is two plus two?"
-
-
-@pytest.fixture(scope="module")
-def tiny_gguf(tmp_path_factory, model):
-    """`model` as the only file of a directory: tiny.gguf."""
-    return write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
 
 
 # --- model directories ----------------------------------------------------------------------------

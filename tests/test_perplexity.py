@@ -12,15 +12,11 @@ import time
 import pytest
 import torch
 from policy_matrix import BANDED, SCORED
-from ppl_helpers import ppl
-from tiny_models import char_tokenizer, random_ids, save_tiny_model_dir, tiny_model
+from ppl_helpers import TEXT, ppl, write_corpus
+from tiny_models import char_tokenizer, random_ids, tiny_model
 
 from h2o_stream import make_policy, stream_perplexity
 from h2o_stream.apps.perplexity.run import NLL_ROWS, PerplexityRun, token_nll, token_pieces
-
-TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
-
 
 def token_nlls(model, policy, ids, chunk_size):
     run = PerplexityRun(model, policy, chunk_size=chunk_size, record_tokens=True)
@@ -124,27 +120,19 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book, span):
 
 # -- the CLI ------------------------------------------------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), init_std=0.2)
-
-
 @pytest.fixture
 def corpus(tmp_path):
-    path = tmp_path / "corpus.jsonl"
-    rows = [{"short_book_title": f"Book {i}", "text": TEXT[i * 50:]} for i in range(3)]
-    path.write_text("\n".join(json.dumps(r) for r in rows))
-    return path
+    return write_corpus(tmp_path / "corpus.jsonl")
 
 
 def run_cli(args, capsys):
     return ppl(capsys, *args)
 
 
-def test_ppl_command_writes_results_plot_and_table(model_dir, corpus, tmp_path, capsys):
+def test_ppl_command_writes_results_plot_and_table(ppl_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, stderr = run_cli(["--model", model_dir, "--data", corpus, "--tokens", 2000, "--policy", "h2o,sink",
-                                    "--cache-size", "16,32", "--chunk-size", 16, "--out", out], capsys)
+    code, stdout, stderr = run_cli(["--model", ppl_model_dir, "--data", corpus, "--tokens", 2000, "--policy",
+                                    "h2o,sink", "--cache-size", "16,32", "--chunk-size", 16, "--out", out], capsys)
     assert code == 0, stderr
     assert "h2o(heavy=8, recent=8)" in stderr and "sink(sinks=4, recent=12)" in stderr
     for name in ("h2o-16", "h2o-32", "sink-16", "sink-32"):
@@ -156,8 +144,8 @@ def test_ppl_command_writes_results_plot_and_table(model_dir, corpus, tmp_path, 
     assert stdout.count("\n") >= 6 and "sink" in stdout
 
 
-def test_more_tokens_than_the_corpus_runs_what_there_is(model_dir, corpus, tmp_path, capsys):
-    code, _, stderr = run_cli(["--model", model_dir, "--data", corpus, "--tokens", 10**7, "--policy", "sink",
+def test_more_tokens_than_the_corpus_runs_what_there_is(ppl_model_dir, corpus, tmp_path, capsys):
+    code, _, stderr = run_cli(["--model", ppl_model_dir, "--data", corpus, "--tokens", 10**7, "--policy", "sink",
                                "--cache-size", 16, "--chunk-size", 64, "--out", tmp_path / "o"], capsys)
     assert code == 0
     result = json.loads((tmp_path / "o" / "sink-16.json").read_text())
@@ -165,8 +153,8 @@ def test_more_tokens_than_the_corpus_runs_what_there_is(model_dir, corpus, tmp_p
     assert result["tokens_fed"] == sum(len(TEXT[i * 50:]) + 1 for i in range(3))
 
 
-def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(model_dir, corpus, tmp_path):
-    args = ["--model", model_dir, "--data", corpus, "--tokens", 6000, "--policy", "h2o", "--cache-size", 16,
+def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(ppl_model_dir, corpus, tmp_path):
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 6000, "--policy", "h2o", "--cache-size", 16,
             "--chunk-size", 8, "--checkpoint-every", 64]
     command = [sys.executable, "-m", "h2o_stream", "ppl", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -199,9 +187,9 @@ def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(model_di
     assert resumed["nll_sum"] == whole["nll_sum"] and resumed["predicted_tokens"] == whole["predicted_tokens"]
 
 
-def test_extending_a_finished_run_equals_one_uninterrupted_run(model_dir, corpus, tmp_path, capsys):
+def test_extending_a_finished_run_equals_one_uninterrupted_run(ppl_model_dir, corpus, tmp_path, capsys):
     # h2o's chunk may not exceed its cache (the engine refuses it): cache 16, chunk 16
-    base = ["--model", model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--chunk-size", 16]
+    base = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--chunk-size", 16]
     assert run_cli([*base, "--tokens", 2000, "--out", tmp_path / "whole"], capsys)[0] == 0
     extended = tmp_path / "extended"
     assert run_cli([*base, "--tokens", 1000, "--out", extended], capsys)[0] == 0  # 1000 is not a multiple of 16
@@ -226,10 +214,10 @@ def _error(args, capsys):
     (b"\x00\x01\x02binary\xff", "not UTF-8"),
     (b'{"short_book_title": "x", "body": "no text field"}\n', "text"),
 ])
-def test_bad_corpus_files(model_dir, tmp_path, capsys, content, message):
+def test_bad_corpus_files(ppl_model_dir, tmp_path, capsys, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
-    assert message in _error(["--model", model_dir, "--data", path, "--out", tmp_path / "o"], capsys)
+    assert message in _error(["--model", ppl_model_dir, "--data", path, "--out", tmp_path / "o"], capsys)
     assert not (tmp_path / "o").exists()
 
 
@@ -239,10 +227,11 @@ def test_corrupt_gguf_model(corpus, tmp_path, capsys):
     assert "GGUF" in _error(["--model", bad, "--data", corpus, "--out", tmp_path / "o"], capsys)
 
 
-def test_directory_without_usable_files(model_dir, tmp_path, capsys):
+def test_directory_without_usable_files(ppl_model_dir, tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.csv").write_text("a,b")
-    assert "no usable files" in _error(["--model", model_dir, "--data", tmp_path / "d"], capsys)
+    assert "no usable files" in _error(["--model", ppl_model_dir, "--data", tmp_path / "d", "--out", tmp_path / "o"],
+                                       capsys)
 
 
 @pytest.mark.parametrize("args, message", [
@@ -257,15 +246,15 @@ def test_directory_without_usable_files(model_dir, tmp_path, capsys):
     (["--policy", "h2o", "--cache-size", 64, "--span", 6], "must be a multiple of the chunk size 4, got 6"),
     (["--model", "/no/such/model"], "not found"),
 ])
-def test_bad_options(model_dir, corpus, tmp_path, capsys, args, message):
-    base = ["--model", model_dir, "--data", corpus, "--out", tmp_path / "o"]
+def test_bad_options(ppl_model_dir, corpus, tmp_path, capsys, args, message):
+    base = ["--model", ppl_model_dir, "--data", corpus, "--out", tmp_path / "o"]
     assert message in _error(base + args, capsys)
 
 
-def test_resume_refuses_corrupt_or_mismatched_checkpoints_and_overwrites_nothing(model_dir, corpus, tmp_path,
+def test_resume_refuses_corrupt_or_mismatched_checkpoints_and_overwrites_nothing(ppl_model_dir, corpus, tmp_path,
                                                                                  capsys):
     out = tmp_path / "o"
-    base = ["--model", model_dir, "--data", corpus, "--tokens", 300, "--policy", "h2o", "--cache-size", 16,
+    base = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 300, "--policy", "h2o", "--cache-size", 16,
             "--chunk-size", 8, "--out", out]
     assert run_cli(base, capsys)[0] == 0
     assert "--resume" in _error(base, capsys)  # a second run into the same --out without --resume

@@ -1,50 +1,58 @@
-"""The policy seam: a policy declares its budget parts, and make_policy, the command-line options, the printed split
-and the result files follow the registry, so a new policy is one class (here: one defined in this test)."""
+"""The policy seam: a policy declares its budget parts and settings, and make_policy, the command-line options, the
+printed split and the result files follow the registry, so a new policy is one class (here: one defined in this
+test); the hooks the policy zoo plugs into (how attention becomes a score, keys and token ids for `keep`, policies
+built from a tokenizer); and the refusals, each one clear H2OStreamError."""
 
 from __future__ import annotations
 
 import importlib
 import json
+import math
 import pkgutil
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import click
 import pytest
 import torch
 from click.testing import CliRunner
-from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED
-from tiny_models import random_ids, save_tiny_model_dir, tiny_model
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
+from tiny_models import random_ids, tiny_model
 
 import h2o_stream.engine.policies as policies_package
-from h2o_stream import H2OStreamError, make_policy, register, stream_perplexity
+from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
+from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import RECENT, split_budget
-from h2o_stream.engine.policies.slots import last_slots
-
-ENGINE = Path(policies_package.__file__).resolve().parents[1]
+from h2o_stream.engine.policies.base import HEAVY, RECENT, split_budget
+from h2o_stream.engine.policies.h2o import H2OPolicy
+from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
+from h2o_stream.engine.policies.slots import ages, keep_top, last_slots, top_slots
+#: what conftest's `tokenizer` is trained on here: every separator mark, and words without any
+TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
+                  "plain words without any marks at all", "one. two, three? four! five; six: seven"]
 
 
 # -- the registry and the base class -----------------------------------------------------------------------------
 
-def test_every_module_of_the_policies_folder_is_imported_and_registers_its_policy():
-    infrastructure = {"base", "registry", "slots", "split"}
-    modules = {m.name for m in pkgutil.iter_modules(policies_package.__path__)} - infrastructure
-    registered = {cls.__module__.rsplit(".", 1)[-1] for cls in POLICIES.values()}
-    assert modules == registered
-    assert {"full", "h2o", "sink", "window"} <= set(ALL)  # the matrix the other tests draw from is not empty
-    assert set(SCORED) == {"h2o", "h2o_sinks", "a2sf", "tova", "roco"} and set(BANDED) == {"sink", "window"}
-    assert "full" not in EVICTING and {"keydiff", "sepllm"} <= set(EVICTING) - set(SCORED) - set(BANDED)
-    assert set(TOKENIZED) == {"sepllm"} and set(TOKENIZED) <= set(ALL)  # built with the tiny tokenizer, not left out
+def test_every_policy_class_of_the_policies_folder_is_made_by_its_name():
+    """A policy file whose class misses @register would be absent from make_policy, the command line and every test
+    drawn from the registry, and nothing else would say so."""
+    defined = []
+    for found in pkgutil.iter_modules(policies_package.__path__):
+        module = importlib.import_module(f"{policies_package.__name__}.{found.name}")
+        defined += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, EvictionPolicy)
+                    and cls is not EvictionPolicy and cls.__module__ == module.__name__]
+    assert defined
+    for cls in defined:
+        cache_size = 16 if cls.parts else None
+        assert type(build(cls.name, cache_size)) is cls and POLICIES[cls.name] is cls
 
 
-def test_every_policy_hook_the_engine_and_the_perplexity_app_use_is_declared_on_the_base_class():
-    sources = [*ENGINE.glob("*.py"), *(ENGINE.parent / "apps" / "perplexity").glob("*.py")]
-    used = {name for path in sources for name in re.findall(r"\bpolicy\.(\w+)", path.read_text())}
-    assert {"budget", "band", "keep", "needs_scores", "describe", "settings"} <= used
-    assert not {name for name in used if not hasattr(EvictionPolicy, name)}
-    assert callable(EvictionPolicy.from_budget) and EvictionPolicy.parts == ()
+def test_every_kind_of_policy_the_other_tests_draw_from_has_one():
+    """The tests parametrized by tests/policy_matrix.py over scored, banded, and neither (keys or token ids), and
+    over the policies that need a tokenizer, would pass with no case at all if a kind were empty."""
+    unscored = set(EVICTING) - set(SCORED) - set(BANDED)
+    assert SCORED and BANDED and unscored and TOKENIZED and set(EVICTING) < set(ALL)
 
 
 @pytest.mark.parametrize("size, given, expected", [
@@ -59,10 +67,45 @@ def test_a_budget_splits_by_the_declared_defaults(size, given, expected):
     assert split_budget(parts, size, given) == expected
 
 
-def test_parts_that_exceed_the_cache_size_are_refused():
-    parts = (Part("fixed", "f", fixed=4), Part("shared", "s", share=0.5), Part("rest", "r"))
-    with pytest.raises(H2OStreamError, match="exceeds the cache size"):
-        split_budget(parts, 16, {"fixed": 10, "shared": 10})
+@dataclass
+class HeaviestPolicy(EvictionPolicy):
+    """H2O's rule and nothing else: scored, with the base class's defaults for how attention becomes a score."""
+
+    heavy: int
+    recent: int
+    name = "heaviest"
+    needs_scores = True
+    parts = (HEAVY, RECENT)
+
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
+        return keep_top(scores[..., : positions.shape[-1] - self.recent], self.heavy, sinks=0, recent=self.recent)
+
+
+@pytest.mark.parametrize("chunk", [1, 4], ids=["exact", "chunked"])
+def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, monkeypatch):
+    """The base class's defaults are H2O's: attention received, summed over the steps, the queries of a chunk and
+    the query heads of a KV head. A new scored policy with H2O's rule keeps what h2o keeps, token for token."""
+    monkeypatch.setenv("H2O_STREAM_COMPILED", "0")  # h2o's declared cut would take the compiled loop; this one cannot
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(80)
+    runs = []
+    for policy in (make_policy("h2o", 12), HeaviestPolicy(heavy=6, recent=6)):
+        cache = StreamingCache(model, policy)
+        logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, 80, chunk)], dim=1)
+        runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
+    (h2o, h2o_kept, evicted), (new, new_kept, new_evicted) = runs
+    assert evicted > 0 and new_evicted == evicted
+    assert torch.equal(new, h2o) and all(torch.equal(a, b) for a, b in zip(new_kept, h2o_kept))
+
+
+def test_h2o_adds_a2sf_forgets_and_tova_replaces_the_attention_received():
+    scores = torch.tensor([[[1.0, 2.0]]])
+    make_policy("h2o", 16).update_scores(scores, torch.tensor([[[0.5, 0.25]]]))
+    assert scores.tolist() == [[[1.5, 2.25]]]
+    make_policy("a2sf", 16, alpha=0.5).update_scores(scores, torch.tensor([[[1.0, 0.0]]]))
+    assert scores.tolist() == [[[1.75, 1.125]]]
+    make_policy("tova", 16).update_scores(scores, torch.tensor([[[0.25, 0.75]]]))
+    assert scores.tolist() == [[[0.25, 0.75]]]
 
 
 def test_bad_declarations_are_refused():
@@ -82,8 +125,56 @@ def test_bad_declarations_are_refused():
         register(type("SquaresOfLayerMeans", (EvictionPolicy,), {"name": "squares-of-means", "score_squares": True,
                                                                  "needs_scores": True, "score_heads": "layer",
                                                                  "keep": lambda *a: None}))
-    assert POLICIES["h2o"].__name__ == "H2OPolicy" and "two-rests" not in POLICIES
+    assert POLICIES["h2o"] is H2OPolicy and "two-rests" not in POLICIES
     assert not {"squares-of-nothing", "squares-of-means"} & set(POLICIES)
+
+
+# -- bad input, through make_policy ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("alpha", [0, -0.5, 1.5, 1.0000001, math.nan, math.inf, "0.5", True])
+def test_a_forgetting_factor_outside_zero_one_is_refused(alpha):
+    with pytest.raises(H2OStreamError, match=r"alpha \(the a2sf forgetting factor\) must be a number in \(0, 1\]"):
+        make_policy("a2sf", 16, alpha=alpha)
+
+
+@pytest.mark.parametrize("alpha", [1, 1.0, 0.5, 1e-9])
+def test_a_forgetting_factor_in_zero_one_is_taken(alpha):
+    assert make_policy("a2sf", 16, alpha=alpha).alpha == float(alpha)
+    assert make_policy("a2sf", 16).alpha == 0.95  # the declared default
+
+
+@pytest.mark.parametrize("name, parts, message", [
+    ("keydiff", dict(sinks=4, diverse=4, recent=4), "keydiff(sinks=4, diverse=4, recent=4) adds up to 12, not the "
+                                                    "cache size 16"),
+    ("tova", dict(states=10), "adds up to 10, not the cache size 16"),
+    ("h2o_sinks", dict(sinks=8, heavy=10), "sinks=8 + heavy=10 exceeds the cache size (16)"),
+    ("a2sf", dict(heavy=17), "heavy (17) cannot exceed the cache size (16)"),
+])
+def test_parts_that_do_not_add_up_are_refused(name, parts, message):
+    with pytest.raises(H2OStreamError, match=re.escape(message)):
+        make_policy(name, 16, **parts)
+
+
+@pytest.mark.parametrize("name, given, message", [
+    ("tova", dict(recent=4), "the tova policy takes states, per_head; it does not take recent"),
+    ("h2o", dict(alpha=0.5), "the h2o policy takes heavy, recent; it does not take alpha"),
+    ("sink", dict(per_head=False), "the sink policy takes sinks, recent; it does not take per_head"),
+    ("keydiff", dict(separators=2), "the keydiff policy takes sinks, diverse, recent; it does not take separators"),
+    ("a2sf", dict(decay=0.5), "no policy takes decay"),
+])
+def test_a_part_or_setting_a_policy_does_not_take_is_refused(name, given, message):
+    with pytest.raises(H2OStreamError, match=re.escape(message)):
+        make_policy(name, 16, **given)
+
+
+def test_a_policy_that_needs_a_tokenizer_given_none_is_refused():
+    with pytest.raises(H2OStreamError, match="the sepllm policy needs the model's tokenizer"):
+        make_policy("sepllm", 16)
+
+
+def test_tova_per_head_must_be_a_flag():
+    with pytest.raises(H2OStreamError, match="per_head must be true or false"):
+        make_policy("tova", 16, per_head="yes")
 
 
 # -- a new policy, defined here: nothing else in the package changes ------------------------------------------------
@@ -121,8 +212,6 @@ def test_make_policy_splits_a_new_policy_by_its_declaration(oldest_policy):
         make_policy("oldest", 16, heavy=3)
     with pytest.raises(H2OStreamError, match="the h2o policy takes heavy, recent; it does not take oldest"):
         make_policy("h2o", 16, oldest=3)
-    with pytest.raises(H2OStreamError, match="no policy takes olderst"):
-        make_policy("oldest", 16, olderst=3)
 
 
 def test_the_library_takes_a_new_policys_parts_by_name(oldest_policy):
@@ -147,8 +236,9 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     runner = CliRunner()
     text = " ".join(runner.invoke(probe, ["--help"]).output.split())
     assert "--oldest SLOTS oldest: the stream's first entries (default: 0.25 of the cache size)." in text
-    assert "--recent SLOTS a2sf, h2o, h2o_sinks, keydiff, sepllm, sink, window, oldest: recent-window slots" in text
-    assert "Eviction policy: a2sf, full, h2o, h2o_sinks, keydiff, roco, sepllm, sink, tova, window, oldest." in text
+    takers = [name for name, cls in POLICIES.items() if RECENT in cls.parts]  # roco's recent part has its own help
+    assert "oldest" in takers and f"--recent SLOTS {', '.join(takers)}: recent-window slots" in text
+    assert f"Eviction policy: {', '.join(POLICIES)}." in text  # every registered policy, the new one too
     result = runner.invoke(probe, ["--oldest", "3"])
     assert json.loads(result.output) == ["oldest", 32, {"oldest": 3}, "oldest(oldest=3, recent=29)"]
     # settings that are not slot counts get options too: a value of their default's type, a flag for a bool
@@ -177,13 +267,12 @@ def ppl_with_oldest():
         importlib.reload(ppl_module)
 
 
-def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, tmp_path, capsys):
+def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, ppl_model_dir, tmp_path, capsys):
     import h2o_stream
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("A new policy is one small class in its own file. " * 40)
-    model_dir = save_tiny_model_dir(tmp_path / "model", init_std=0.2)
-    args = ["--model", model_dir, "--data", corpus, "--tokens", 500, "--policy", "oldest,h2o", "--cache-size", 16,
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 500, "--policy", "oldest,h2o", "--cache-size", 16,
             "--chunk-size", 8, "--oldest", 2, "--out", tmp_path / "out"]
     ppl_with_oldest.main(args=[str(a) for a in args], standalone_mode=False)
     captured = capsys.readouterr()
@@ -194,3 +283,179 @@ def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, tmp_path, 
     assert result["tokens_fed"] == 500 and result["versions"]["h2o_stream"] == h2o_stream.__version__
     row = next(line for line in captured.out.splitlines() if line.startswith("oldest"))
     assert row.split()[1:4] == ["oldest=2", "recent=14", "16"]
+
+
+# -- the hooks ------------------------------------------------------------------------------------------------------
+
+def test_ages_count_steps_in_the_cache():
+    assert ages(torch.tensor([[[0, 1, 5, 9]]])).tolist() == [[[10, 9, 5, 1]]]
+
+
+def test_the_last_query_option_scores_only_the_last_query_and_layer_mean_averages_every_query_head():
+    torch.manual_seed(0)
+    query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
+    mask = (torch.arange(7) <= torch.arange(4, 7).unsqueeze(-1))[None, None]
+    _, every = attend_with_scores(query, key, value, mask, 0.3)
+    _, last = attend_with_scores(query, key, value, mask, 0.3, last_query=True)
+    probs = torch.softmax((query.view(1, 2, 2, 3, 8) * 0.3) @ key.unsqueeze(2).transpose(-1, -2)
+                          + torch.where(mask, 0.0, -math.inf).unsqueeze(2), dim=-1)
+    assert torch.allclose(every, probs.sum(dim=(2, 3)), atol=1e-6)
+    assert torch.allclose(last, probs[..., -1, :].sum(dim=2), atol=1e-6)
+    mean = layer_mean(last, 4)
+    assert torch.allclose(mean[0, 0], probs[..., -1, :].sum(dim=(1, 2))[0] / 4) and torch.equal(mean[0, 0], mean[0, 1])
+
+
+def test_a2sf_without_forgetting_and_h2o_sinks_without_sinks_are_h2o():
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(90)
+    runs = {}
+    for name, spec in [("h2o", make_policy("h2o", 12)), ("a2sf", make_policy("a2sf", 12, alpha=1)),
+                       ("h2o_sinks", make_policy("h2o_sinks", 12, sinks=0))]:
+        cache = StreamingCache(model, spec)
+        logits = torch.cat([model(ids[:, i:i + 4], cache=cache).logits for i in range(0, 90, 4)], dim=1)
+        runs[name] = logits, [layer.positions for layer in cache.layers]
+    for name in ("a2sf", "h2o_sinks"):
+        assert torch.equal(runs[name][0], runs["h2o"][0])
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][1], runs["h2o"][1]))
+
+
+def test_tova_in_a_chunk_keeps_what_the_last_query_attends_to_most():
+    """The official code's prompt handling: one cut, by the last query's attention averaged over the layer's heads."""
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(20)
+    cache = StreamingCache(model, make_policy("tova", 6))
+    captured = []
+    original = cache.layers[0].after_attention
+    cache.layers[0].after_attention = lambda received, **kwargs: (captured.append(received.clone()),
+                                                                  original(received, **kwargs))
+    model(ids, cache=cache)
+    kept = cache.layers[0].positions[0, 0]
+    expected = torch.sort(torch.sort(captured[0][0, 0], descending=True, stable=True).indices[:6]).values
+    assert kept.tolist() == expected.tolist() and torch.equal(captured[0][0, 0], captured[0][0, 1])
+    assert captured[0][0, 0].sum().item() == pytest.approx(1.0)  # one query's distribution, not twenty
+
+
+# -- keys and token ids for `keep` ----------------------------------------------------------------------------------
+
+def test_separators_come_from_the_tokenizer(tokenizer):
+    ids = separator_ids(tokenizer)
+    texts = {i: tokenizer.decode([i]) for i in range(len(tokenizer))}
+    assert ids and all(all(c in SEPARATOR_PUNCTUATION or c.isspace() for c in texts[i]) for i in ids)
+    for mark in [",", ".", "?", "!", ";", ":", "\n"]:  # each mark's own token is among them
+        assert tokenizer.convert_tokens_to_ids(tokenizer.tokenize(mark))[0] in ids, mark
+    assert not set(ids) & set(tokenizer.all_special_ids)
+    words = tokenizer("plain words")["input_ids"]
+    assert not set(words) & set(ids)
+    policy = make_policy("sepllm", 20, tokenizer=tokenizer)
+    assert (policy.sinks, policy.separators, policy.recent, policy.separator_ids) == (4, 4, 12, ids)
+    assert policy.describe() == f"sepllm(sinks=4, separators=4, recent=12; {len(ids)} separator tokens)"
+    assert policy.settings()["separator_ids"] == list(ids)
+
+
+def test_sepllm_keeps_the_last_separators_of_real_text(tokenizer, model):
+    text = "Hello, world. What is two plus two? Four! Then: more; text. " * 6
+    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    policy = make_policy("sepllm", 16, tokenizer=tokenizer, sinks=2, separators=6)
+    cache = StreamingCache(model, policy)
+    for t in range(ids.shape[1]):
+        model(ids[:, t:t + 1], cache=cache)
+    stream = ids[0].tolist()
+    kept = cache.layers[1].positions[0, 0].tolist()
+    middle_candidates = [p for p in range(2, len(stream) - 8) if stream[p] in policy.separator_ids]
+    assert kept[:2] == [0, 1] and kept[-8:] == list(range(len(stream) - 8, len(stream)))
+    assert kept[2:8] == middle_candidates[-6:]
+
+
+def test_sepllm_refuses_embeddings_and_empty_separator_lists():
+    model = tiny_model("llama")
+    policy = SepLLMPolicy(sinks=1, separators=2, recent=3, separator_ids=(5, 9))
+    cache = StreamingCache(model, policy)
+    with pytest.raises(H2OStreamError, match="reads the token id of every entry"):
+        model(inputs_embeds=model.get_input_embeddings()(random_ids(3)), cache=cache)
+    assert cache.seen == 0
+    with pytest.raises(H2OStreamError, match="no separator tokens"):
+        SepLLMPolicy(sinks=1, separators=2, recent=3, separator_ids=())
+
+
+@pytest.mark.parametrize("chunk", [1, 5], ids=["exact", "chunked"])
+def test_sepllm_batches_rows_independently_and_saves_its_token_ids(chunk):
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    # separators to spare: a fair chunk of 5 first cuts this budget of 16 to 12, keeping 6 of them
+    policy = SepLLMPolicy(sinks=2, separators=9, recent=5, separator_ids=tuple(range(2, 101, 3)))
+    ids = torch.cat([random_ids(60, seed=s) for s in (1, 2)])
+
+    def run(rows, cache=None):
+        cache = cache or StreamingCache(model, policy)
+        return torch.cat([model(rows[:, i:i + chunk], cache=cache).logits for i in range(0, 60, chunk)], 1), cache
+
+    batched, cache = run(ids)
+    for row in range(2):
+        assert torch.allclose(batched[row], run(ids[row:row + 1])[0][0], atol=1e-4, rtol=0)
+    assert not torch.equal(cache.layers[0].positions[0], cache.layers[0].positions[1])
+    # a saved cache carries the token ids and continues exactly
+    restored = StreamingCache(model, policy)
+    restored.load_state(cache.state())
+    more = random_ids(5, seed=5).expand(2, 5)
+    assert torch.equal(model(more, cache=restored).logits, model(more, cache=cache).logits)
+    assert torch.equal(restored.layers[0].tokens, cache.layers[0].tokens)
+
+
+@pytest.mark.parametrize("name", ["keydiff", "sepllm"])
+def test_policies_without_scores_keep_the_fused_path_and_refuse_chunks_wider_than_the_cache(name, monkeypatch):
+    import h2o_stream.engine.hooks as hooks
+
+    model = tiny_model("llama")
+    policy = (make_policy("keydiff", 4) if name == "keydiff"
+              else SepLLMPolicy(sinks=1, separators=1, recent=2, separator_ids=(3,)))
+    cache = StreamingCache(model, policy)
+    calls = []
+    monkeypatch.setattr(hooks, "attend_with_scores", lambda *a, **k: calls.append(1))
+    model(random_ids(3), cache=cache)
+    assert not calls  # plain SDPA: no explicit softmax for a policy that needs no scores
+    assert cache.max_chunk == 4
+    with pytest.raises(H2OStreamError, match="chunk of 5 tokens"):
+        model(random_ids(5, seed=2), cache=cache)
+
+
+def test_generate_with_sepllm_matches_a_manual_greedy_loop():
+    model = tiny_model("llama", init_std=0.2)
+    policy = SepLLMPolicy(sinks=2, separators=4, recent=10, separator_ids=tuple(range(2, 101, 3)))
+    prompt = random_ids(20)
+    got = model.generate(prompt, max_new_tokens=30, do_sample=False, cache=StreamingCache(model, policy))
+    cache = StreamingCache(model, policy)
+    tokens, logits = prompt, model(prompt, cache=cache).logits[:, -1]
+    for _ in range(30):
+        tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=-1)
+        logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
+    assert torch.equal(got, tokens) and cache.slots == 16
+
+
+def test_top_slots_one_entry_cut_equals_the_stable_sort():
+    """The one-entry cut (exact mode's usual case) takes a shortcut; it must keep what the stable sort keeps, ties
+    going to the older entry, on tie-heavy ranks."""
+    def by_sort(ranks, count):
+        order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices
+        return order[..., :count].sort(dim=-1).values
+
+    generator = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        m = int(torch.randint(2, 40, (1,), generator=generator))
+        ranks = torch.randint(0, 4, (2, 3, m), generator=generator).double()
+        assert torch.equal(top_slots(ranks, m - 1), by_sort(ranks, m - 1))
+        assert torch.equal(top_slots(ranks, m - 1, start=5), by_sort(ranks, m - 1) + 5)
+        assert torch.equal(top_slots(ranks, m // 2), by_sort(ranks, m // 2))
+
+
+def test_keep_top_is_sinks_then_the_top_ranks_then_the_recent_window():
+    """keep_top's one-entry cut returns every slot but one in a single range; it must equal the three parts
+    assembled, ties going to the older entry, with and without sinks, at any cut."""
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(300):
+        sinks, recent = (int(v) for v in torch.randint(0, 5, (2,), generator=generator))
+        m = int(torch.randint(2, 30, (1,), generator=generator))
+        ranks = torch.randint(0, 4, (2, 3, m), generator=generator).double()
+        n = sinks + m + recent
+        for count in (m - 1, m // 2):
+            expected = torch.cat([torch.arange(sinks).expand(2, 3, sinks), top_slots(ranks, count, start=sinks),
+                                  torch.arange(n - recent, n).expand(2, 3, recent)], dim=-1)
+            assert torch.equal(keep_top(ranks, count, sinks=sinks, recent=recent), expected)

@@ -12,18 +12,10 @@ import subprocess
 import sys
 import time
 
-from ppl_helpers import ppl_command, ppl_model_dir, run_to_end, subprocess_env, write_corpus  # noqa: F401
+from ppl_helpers import ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import WRITE_DELAY_ENV, read_verified
-
-
-def wait_for(condition, what: str, process: subprocess.Popen, timeout: float = 120) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert process.poll() is None, f"the run ended (status {process.returncode}) before {what}"
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.005)
 
 
 def mtime(path) -> int:

@@ -9,7 +9,7 @@ import json
 
 import pytest
 import torch
-from ppl_helpers import ppl, ppl_error, ppl_model_dir, snapshot, write_corpus  # noqa: F401
+from ppl_helpers import ppl, ppl_error, snapshot, write_corpus
 
 from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import MAGIC, UnverifiedFile, read_verified, remove_partials, write_verified

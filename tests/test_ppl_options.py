@@ -7,7 +7,7 @@ import socket
 import time
 
 import pytest
-from ppl_helpers import ppl_error, ppl_model_dir, write_corpus  # noqa: F401
+from ppl_helpers import ppl_error, write_corpus
 
 
 @pytest.fixture
@@ -40,12 +40,13 @@ def test_every_run_is_validated_before_the_first_one_starts(base, tmp_path, caps
 
 @pytest.fixture
 def no_network(monkeypatch):
-    """No name resolves, as on a machine without network (huggingface_hub would retry for a minute)."""
+    """No name resolves, as on a machine without network (huggingface_hub would retry for a minute), and no proxy
+    (behind one the download is left to try). Offline mode is off: conftest removes the user's HF_HUB_OFFLINE."""
     def unresolvable(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 
     monkeypatch.setattr(socket, "getaddrinfo", unresolvable)
-    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy", "HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"):
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
         monkeypatch.delenv(name, raising=False)
 
 

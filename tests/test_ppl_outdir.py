@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 
 import pytest
-from ppl_helpers import ppl, ppl_error, ppl_model_dir, result, snapshot, write_corpus  # noqa: F401
+from ppl_helpers import ppl, ppl_error, result, snapshot, write_corpus
 
 import h2o_stream.files
 from h2o_stream.apps.perplexity.outdir import claim

@@ -11,7 +11,7 @@ import shlex
 
 import pytest
 import torch
-from ppl_helpers import TEXT, ppl, ppl_error, ppl_model_dir, result, snapshot, write_corpus  # noqa: F401
+from ppl_helpers import TEXT, ppl, ppl_error, result, snapshot, write_corpus
 from tiny_models import char_tokenizer, tiny_model
 
 from h2o_stream import H2OStreamError, make_policy

@@ -10,16 +10,14 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import (assert_same_runs, ppl, ppl_command, ppl_model_dir,  # noqa: F401
-                         run_to_end, subprocess_env, write_corpus)
-from test_ppl_faults import wait_for
+from ppl_helpers import assert_same_runs, ppl, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.files import WRITE_DELAY_ENV
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'h2o-stream[ray]')")
 
 
-def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path):  # noqa: F811
+def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink",
             "--cache-size", "16,24", "--threads", 1]
@@ -32,15 +30,29 @@ def test_runs_as_ray_tasks_equal_runs_one_after_another(ppl_model_dir, tmp_path)
     assert again.stderr.count("already done") == 4  # finished runs are kept, whatever runs the sweep next
 
 
-def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, monkeypatch):  # noqa: F811
+@pytest.fixture
+def no_cluster_here(monkeypatch):
+    """No Ray cluster runs on this machine, whatever does: `auto` finds one by its processes and by /tmp/ray, and
+    would find another user's, or the one a previous test's `--ray local` is still shutting down."""
+    from ray._private import services
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(services, "_find_address_from_flag", lambda flag: set())  # no raylet process found
+    services.find_gcs_addresses.cache_clear()  # nor one remembered from an earlier look
+    monkeypatch.setattr(services, "find_bootstrap_address", lambda temp_dir=None: None)
+    handler = signal.getsignal(signal.SIGTERM)
+    yield
+    signal.signal(signal.SIGTERM, handler)  # ray.init sets its own, process-wide, even when it cannot connect
+
+
+def test_an_unreachable_cluster_is_one_clear_error(ppl_model_dir, tmp_path, capsys, no_cluster_here):
     code, _, err = ppl(capsys, "--model", ppl_model_dir, "--data", write_corpus(tmp_path / "c.jsonl"), "--tokens",
                        100, "--cache-size", 16, "--out", tmp_path / "o", "--ray", "auto")
     assert code == 2 and "cannot reach a Ray cluster at 'auto'" in err, err
     assert err.count("Error") == 1 and not list((tmp_path / "o").glob("*.json"))
 
 
-def test_a_signal_stops_the_tasks_at_a_checkpoint_and_resume_continues_exactly(ppl_model_dir, tmp_path):  # noqa: F811
+def test_a_signal_stops_the_tasks_at_a_checkpoint_and_resume_continues_exactly(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 3000, "--policy", "h2o", "--cache-size", 16,
             "--chunk-size", 4, "--span", 4, "--checkpoint-every", 40, "--threads", 1]

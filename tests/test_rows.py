@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 from policy_matrix import ALL, build
-from ppl_helpers import assert_same_runs, ppl_command, ppl_model_dir, run_to_end, write_corpus  # noqa: F401
+from ppl_helpers import assert_same_runs, ppl_command, run_to_end, write_corpus
 from tiny_models import VOCAB, tiny_model
 
 from h2o_stream import StreamingCache
@@ -109,7 +109,7 @@ def test_runs_at_different_places_do_not_ride_together():
         RunRows([second, third])
 
 
-def test_ppl_rows_equal_runs_alone_and_resume(ppl_model_dir, tmp_path):  # noqa: F811
+def test_ppl_rows_equal_runs_alone_and_resume(ppl_model_dir, tmp_path):
     """`ppl --rows 3` (two groups: one of three runs, one of one) equals the runs alone; a finished rows sweep
     extended with --resume and more --tokens equals one uninterrupted run; --workers 2 --rows 2 also."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")

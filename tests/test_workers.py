@@ -13,9 +13,7 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import (assert_same_runs, ppl_command, ppl_model_dir, run_to_end,  # noqa: F401
-                         subprocess_env, write_corpus)
-from test_ppl_faults import wait_for
+from ppl_helpers import assert_same_runs, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.apps.perplexity.progress import Bars, SentBars
 from h2o_stream.files import WRITE_DELAY_ENV
@@ -23,7 +21,7 @@ from h2o_stream.files import WRITE_DELAY_ENV
 RUNS = ["h2o-16", "sink-16", "tova-16", "h2o-24"]
 
 
-def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path):  # noqa: F811
+def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink,tova",
             "--cache-size", "16,24", "--threads", 1]
@@ -35,7 +33,7 @@ def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path): 
     assert len(summary) == 6  # the report covers every worker's runs
 
 
-def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_model_dir, tmp_path):  # noqa: F811
+def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 3000, "--policy", "h2o,sink",
             "--cache-size", "16,24", "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1]
@@ -79,7 +77,7 @@ def test_auto_workers_is_one_single_thread_worker_per_core_as_memory_allows():
     assert threads_per_worker(4, None) >= 1 and threads_per_worker(2, 3) == 3
 
 
-def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):  # noqa: F811
+def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):
     from ppl_helpers import ppl_error
     assert "'0' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", 0, "--model", ppl_model_dir)
     assert "'many' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", "many")

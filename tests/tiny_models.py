@@ -28,6 +28,40 @@ FAMILIES = {
                          "high_freq_factor": 4.0, "original_max_position_embeddings": 256})),
 }
 
+WINDOW = 8  # the sliding window of the tiny hybrid families: short streams slide many times
+_SW = ["sliding_attention", "full_attention", "sliding_attention"]  # three layers: two sliding around a global one
+
+# Families whose layers attend differently (sliding windows beside global layers); each tiny model has 3 layers.
+HYBRID_FAMILIES = {
+    # Gemma 2: logit soft-capping (attention and final), query_pre_attn_scalar, alternating layers
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=_SW, query_pre_attn_scalar=24, attn_logit_softcapping=5.0, final_logit_softcapping=8.0)),
+    # Gemma 3 (text): QK-norm, local and global rope bases, linear rope scaling on the global layers
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, head_dim=16, num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=_SW, query_pre_attn_scalar=24, rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0}})),
+    # Mistral with a sliding window: every layer slides
+    "mistral_sliding": ("MistralConfig", "MistralForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3, sliding_window=WINDOW)),
+    # Qwen2 with use_sliding_window: layers from max_window_layers on slide
+    "qwen2_sliding": ("Qwen2Config", "Qwen2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, use_sliding_window=True,
+        sliding_window=WINDOW, max_window_layers=1)),
+    # Cohere2: interleaved rotary on the sliding layers, no positions at all on the global ones
+    "cohere2": ("Cohere2Config", "Cohere2ForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=3, sliding_window=WINDOW, layer_types=_SW)),
+    # GPT-OSS: learned attention sinks, YaRN, mixture of experts
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_hidden_layers=3, sliding_window=WINDOW,
+        layer_types=_SW, num_local_experts=4, num_experts_per_tok=2, rope_parameters={
+            "rope_type": "yarn", "factor": 4.0, "rope_theta": 150_000.0, "original_max_position_embeddings": 256,
+            "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False})),
+}
+FAMILIES.update(HYBRID_FAMILIES)
+
 
 def tiny_model(family: str = "llama", *, seed: int = 0, init_std: float | None = None, **overrides):
     """A random-weight causal LM; a larger `init_std` gives peakier attention (fewer near-ties in H2O scores)."""

@@ -21,6 +21,7 @@ COMMANDS = {
     "leaderboard": "h2o_stream.cli.leaderboard:leaderboard",
     "chat": "h2o_stream.cli.chat:chat",
     "summarize": "h2o_stream.cli.summarize:summarize",
+    "serve": "h2o_stream.cli.serve:serve",
 }
 
 

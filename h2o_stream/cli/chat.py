@@ -65,8 +65,12 @@ still being read, it cancels that message."""
 @click.option("--system", default=None, help="System prompt, given to the model once at the start.")
 @click.option("--load", "load_path", type=click.Path(dir_okay=False), default=None,
               help="Resume the session saved in this file (as /load does).")
+@click.option("--server", default=None, metavar="URL",
+              help="Chat through a running h2o-stream serve at URL (e.g. http://127.0.0.1:8000/v1) instead of a "
+                   "model loaded here; the server's cache settings apply.")
+@click.option("--api-key", default=None, envvar="H2O_STREAM_API_KEY", help="The server's API key (with --server).")
 def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, temperature, top_p,
-         top_k, repetition_penalty, no_repeat_ngram_size, max_new_tokens, seed, system, load_path):
+         top_k, repetition_penalty, no_repeat_ngram_size, max_new_tokens, seed, system, load_path, server, api_key):
     """Endless chat with a local model in fixed memory.
 
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
@@ -88,6 +92,9 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
     sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
                         no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
     interactive = sys.stdin.isatty()
+    if server:
+        _remote(server, api_key, system, sampling, seed, load_path, interactive)
+        return
     _note(f"loading {model_spec or 'the default model'} ...")
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
     if eviction is None:
@@ -107,6 +114,20 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
         _note_replaced(before, session)
     _note(f"{loaded.name} | {session.policy.describe()} | "
           + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin"))
+    failures = Repl(session, interactive=interactive).run()
+    if failures and not interactive:
+        sys.exit(1)
+
+
+def _remote(server, api_key, system, sampling, seed, load_path, interactive) -> None:
+    """The REPL as a client of a running server (`--server`)."""
+    from h2o_stream.apps.serve.client import RemoteSession
+
+    if load_path:
+        raise H2OStreamError("--load does not go with --server: the server keeps its conversations")
+    session = RemoteSession(server, api_key=api_key, system=system, sampling=sampling, seed=seed)
+    _note(f"{session.model} at {session.url} | " + ("/help for commands, Ctrl-D to exit" if interactive
+                                                    else "reading turns from stdin"))
     failures = Repl(session, interactive=interactive).run()
     if failures and not interactive:
         sys.exit(1)

@@ -6,6 +6,7 @@ import shlex
 from pathlib import Path
 
 import click
+from click.core import ParameterSource
 
 from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leaderboard
 from h2o_stream.engine.policies import POLICIES
@@ -45,6 +46,10 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
     out = Path(out_dir)
     runs = out / "runs"
     if report_only:
+        ignored = _given_options(exclude=("out_dir", "report_only"))
+        if ignored:
+            raise H2OStreamError(f"--report-only redraws the leaderboard from the runs in {runs} and runs nothing: "
+                                 f"{', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}")
         if not runs.is_dir() or not any(runs.glob("*.json")):
             raise H2OStreamError(f"{runs} holds no finished runs to report on")
     else:
@@ -62,3 +67,10 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)
+
+
+def _given_options(exclude: tuple[str, ...]) -> list[str]:
+    """The options of this call given on the command line (not defaults), by their flag, but those in `exclude`."""
+    ctx = click.get_current_context()
+    return [param.opts[0] for param in ctx.command.params
+            if param.name not in exclude and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE]

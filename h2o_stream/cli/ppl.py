@@ -94,11 +94,13 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
     `ray_address`, else in `workers` local processes when more than one (None: `auto_workers`). Ctrl-C / SIGTERM
     checkpoint, print the command that resumes (`argv` with --resume, or as given for a command that always resumes:
     `resumes_as_given`) and exit."""
-    from h2o_stream.apps.perplexity.ray_runs import run_on_ray
+    from h2o_stream.apps.perplexity.ray_runs import check_address, run_on_ray
     from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
     from h2o_stream.loading.models import load_model
 
     sweep.check()
+    if ray_address is not None:  # a bad address fails in seconds, not after the model has loaded
+        check_address(ray_address)
     note = lambda text: click.echo(text, err=True)  # noqa: E731
     with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
         loaded = load_model(**loading)

@@ -9,13 +9,15 @@ from .memo import memoised
 
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False, query_weights=None, squares=False):
+                       last_query=False, query_weights=None, squares=False, virtual_logits=None):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
     share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
     over the queries of the square of what each query gave (its query heads summed first).
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
+    `virtual_logits` (q_heads,), if given, is the logit of a virtual key without a value that takes its share of every
+    query's softmax (GPT-OSS's learned sinks); the probabilities reported are those of the real keys.
     """
     batch, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
@@ -34,7 +36,12 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
         if mask.dtype == torch.bool:  # additive form on the small (q_len, k_len) mask, then one in-place add
             mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if virtual_logits is None:
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    else:
+        virtual = virtual_logits.to(logits.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
+        probs = torch.softmax(torch.cat([logits, virtual], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
+        probs = probs.contiguous()
     if squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
         per_query = (probs[..., -1:, :] if last_query else probs).sum(dim=2)
@@ -108,6 +115,17 @@ _memoised_band_bias = memoised(8)(_band_bias)
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+@memoised(16)
+def band_mask(sinks: int, recent: int, n: int, length: int, device: torch.device) -> torch.Tensor:
+    """For sink/window chunks: query i (slot n+i) sees slots j <= n+i with j < sinks or j >= n+i-recent, exactly the
+    keys exact mode would give it. (1, 1, length, n+length) bool, True = attend. Memoised: in steady state every
+    forward has the same shape, so the attention's derived masks (`band_bias`) are memoised too. Never modify it."""
+    query_slot = torch.arange(n, n + length, device=device).unsqueeze(-1)
+    key_slot = torch.arange(n + length, device=device)
+    visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
+    return visible[None, None]
+
+
 @memoised(64)
 def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     """(1, 1, q_len, k_len), True where the query at k_len - q_len + i may see key j (j <= that position). Memoised:
@@ -121,17 +139,6 @@ def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: to
     """`causal_mask` in additive form: 0 where visible, -inf elsewhere (memoised too; never modify the result)."""
     visible = causal_mask(q_len, k_len, device)
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-
-
-def _full_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor | None:
-    """transformers drops the mask when it is implied (one query, or plain causal); make the implied one explicit."""
-    if attention_mask is not None:
-        return attention_mask
-    if q_len == 1:
-        return None
-    return causal_mask(q_len, k_len, device)
-
-
 
 
 def sink_queries(roller, query: torch.Tensor, cached: int, budget: int, sinks: int) -> torch.Tensor | None:

@@ -30,9 +30,11 @@ from transformers.cache_utils import Cache
 
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
+from .attention import causal_mask
+from .checks import _check_attention_mask, _continues, _describe, _model_shape
 from .hooks import active_cache, attach
 from .layer import StreamingLayer, compiled_loop
-from .memo import memoised
+from .layer_types import layer_policies, layer_windows, token_slots
 from .policies import EvictionPolicy
 
 
@@ -59,50 +61,6 @@ def default_chunk_size(policy: EvictionPolicy) -> int:
     return max(1, min(math.floor(policy.budget * policy.fair_chunk_share), shielded))
 
 
-@memoised(16)
-def _band_mask(sinks: int, recent: int, n: int, length: int, device: torch.device) -> torch.Tensor:
-    """`StreamingCache.band_mask`, memoised: in steady state every forward has the same shape, so the attention's
-    derived masks (`band_bias`) are memoised too. Never modify the result."""
-    query_slot = torch.arange(n, n + length, device=device).unsqueeze(-1)
-    key_slot = torch.arange(n + length, device=device)
-    visible = (key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent))
-    return visible[None, None]
-
-
-def _model_shape(config) -> tuple[int, int, int]:
-    """(layers, KV heads, head dim): what a cache's storage is shaped by."""
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
-
-
-def _continues(position_ids: torch.Tensor, seen: int, length: int) -> bool:
-    """Whether every row of `position_ids` is seen..seen+length-1."""
-    if position_ids.shape[-1] != length:
-        return False
-    expected = torch.arange(seen, seen + length, device=position_ids.device)
-    return torch.equal(position_ids, expected.expand_as(position_ids))
-
-
-def _describe(shape: tuple[int, int, int]) -> str:
-    layers, heads, head_dim = shape
-    return f"{layers} layers, {heads} KV heads of dimension {head_dim}"
-
-
-def _check_attention_mask(attention_mask: torch.Tensor | None) -> None:
-    """Refuse padding: the cache keeps, scores and positions every token as a real one, and chunked sink/window
-    replace the mask with their band, so a padded batch would give silently wrong output."""
-    if attention_mask is None:
-        return
-    if attention_mask.dim() != 2:
-        raise H2OStreamError("a StreamingCache builds the attention mask itself: pass no attention_mask, or a 2D "
-                             f"padding mask of ones, not a {attention_mask.dim()}D mask")
-    if not bool(attention_mask.all()):
-        raise H2OStreamError(
-            "padded batches are not supported: the attention_mask has zeros, and a StreamingCache would keep, "
-            "score and position the padding as real tokens. Batch streams of equal length, or run them one at a time")
-
-
 class StreamingCache(Cache):
     """Fixed-budget cache for `model`: pass it as `cache=` to a forward or to `model.generate`.
 
@@ -112,29 +70,35 @@ class StreamingCache(Cache):
     """
 
     def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True, wide_chunks: bool = False,
-                 decide_every: int | None = None):
+                 decide_every: int | None = None, sliding: str = "window"):
         config = model.config.get_text_config(decoder=True)
-        roller = RopeRoller.for_model(model) if rolling else None
+        rollers = RopeRoller.for_layers(model) if rolling else [None] * config.num_hidden_layers
         budget = policy.budget
         context = getattr(config, "max_position_embeddings", None)
         if rolling and budget is not None and context is not None and budget + 1 > context:
             raise H2OStreamError(
                 f"cache size {budget} does not fit the model's context of {context} positions "
                 f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
-        layer_types = getattr(config, "layer_types", None) or []
-        if any(t != "full_attention" for t in layer_types):
-            raise H2OStreamError(f"models with non-global attention layers ({sorted(set(layer_types))}) "
-                                 "are not supported")
-        super().__init__(layers=[StreamingLayer(policy, roller) for _ in range(config.num_hidden_layers)])
+        # Each layer's own policy (layer_types.py): sliding-window layers keep their window by default.
+        windows = layer_windows(config)
+        self._slides = any(window is not None for window in windows)  # checkpoints record the sliding mode then
+        policies = layer_policies(policy, windows, sliding)
+        super().__init__(layers=[StreamingLayer(p, r) for p, r in zip(policies, rollers)])
         self.policy = policy
+        self.sliding = sliding
         self.rolling = rolling
+        # The lead layer sets the positions the model is given: the first running the chosen policy (the layers that
+        # run another one, sliding windows, are moved to their own slots inside the forward).
+        self._lead = next((i for i, p in enumerate(policies) if p is policy), 0)
+        lead = policies[self._lead]
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
-        self.fair = not wide_chunks and policy.band() is None and budget is not None
+        self._fair = [not wide_chunks and p.band() is None and p.budget is not None for p in policies]
+        self.fair = self._fair[self._lead]
         self.context = context
         if decide_every is not None and decide_every < 1:
             raise H2OStreamError(f"decide_every must be at least 1 token, got {decide_every}")
         self.decide_every = None
-        if decide_every is not None and policy.band() is None and budget is not None:
+        if decide_every is not None and lead.band() is None and lead.budget is not None:
             # only policies that decide once per forward need the scan: band policies are exact at any width
             self.check_chunk_size(decide_every)  # a decision may not take more than an unscanned forward may
             self.decide_every = decide_every
@@ -144,15 +108,28 @@ class StreamingCache(Cache):
         self._model_shape = _model_shape(config)
 
     @property
+    def layer_policies(self) -> list[EvictionPolicy]:
+        """The policy each layer runs (the chosen one, or a sliding layer's window: layer_types.py)."""
+        return [layer.policy for layer in self.layers]
+
+    @property
+    def entries(self) -> int:
+        """Entries per KV head held now, summed over all layers (after `settle`): what the cache's memory is, with
+        sliding layers holding their window and global layers the budget."""
+        self.settle()
+        return sum(layer.slots for layer in self.layers)
+
+    @property
     def slots(self) -> int:
-        """Entries per KV head now held (the same in every layer), at most the budget (after `settle`)."""
+        """Entries per KV head now held by the layers that run the chosen policy, at most the budget (after
+        `settle`); layers that run another (sliding windows) hold their own number (`entries` sums them all)."""
         self.settle()
         return self._held
 
     @property
     def _held(self) -> int:
-        # what the layers hold, a pending cut (layer.py) not made: the engine plans forwards with this
-        return self.layers[0].slots
+        # what the lead layer holds, a pending cut (layer.py) not made: the engine plans forwards with this
+        return self.layers[self._lead].slots
 
     def settle(self) -> None:
         """Make the cut a fair chunk may have left to the next forward (one entry per layer and KV head over the
@@ -163,7 +140,7 @@ class StreamingCache(Cache):
 
     @property
     def seen(self) -> int:
-        return self.layers[0].seen
+        return self.layers[self._lead].seen
 
     @property
     def evicted(self) -> int:
@@ -176,9 +153,9 @@ class StreamingCache(Cache):
         the cache holds entries; a prompt into an empty cache sees itself)."""
         return max(layer.max_keys for layer in self.layers)
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
+    def get_query_offset(self, layer_idx: int | None = None) -> int:
         # The mask is built in slot space: queries sit right after the n cached entries.
-        return self.layers[layer_idx].slots
+        return self.layers[self._lead if layer_idx is None else layer_idx].slots
 
     @property
     def max_chunk(self) -> int | None:
@@ -194,14 +171,16 @@ class StreamingCache(Cache):
         A scanned cache (`decide_every`) takes forwards of any width: it decides every `decide_every` tokens inside
         them, so no decision covers more than that.
         """
-        return None if self.policy.band() is not None or self.decide_every is not None else self.policy.budget
+        bounded = [p.budget for p, fair in zip(self.layer_policies, self._fair) if p.band() is None
+                   and p.budget is not None]
+        return None if not bounded or self.decide_every is not None else min(bounded)
 
     def check_chunk_size(self, chunk_size: int) -> None:
         """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
         limit = self.max_chunk
         if limit is not None and chunk_size > limit:
             raise H2OStreamError(
-                f"{self.policy.describe()} decides what to keep once per chunk, and a chunk of "
+                f"{self._lead_policy.describe()} decides what to keep once per chunk, and a chunk of "
                 f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
                 f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most the cache "
                 f"size ({limit}), a larger cache, or exact (token-by-token) mode")
@@ -261,46 +240,53 @@ class StreamingCache(Cache):
 
     def start_forward(self, inputs: torch.Tensor, plan: tuple[list[int] | None, int, list[int] | None]
                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`begin_forward` after its checks: set the layers up for the forward `check_forward` planned."""
+        """`begin_forward` after its checks: set the layers up for the forward `check_forward` planned. Returns the
+        position ids and the mask to give transformers (each layer makes its own mask; see hooks.py)."""
         length = inputs.shape[1]
         blocks, start, slots = plan
-        if self.policy.needs_tokens:
-            for layer in self.layers:
+        given = range(start, start + length) if slots is None else tuple(slots)  # the positions the model gets
+        one_token_steps = self._compiles(length, blocks)
+        own: dict[int, range | tuple[int, ...]] = {}  # slots of the tokens, per layer policy
+        for i, layer in enumerate(self.layers):
+            policy = layer.policy
+            if policy.needs_tokens:
                 layer.pending_tokens = inputs
-        compiled = self._compiles(length, blocks)
-        if compiled:
-            blocks = blocks or [1]  # a one-token forward is a scan of one block (the same steps)
-        if self.fair and self._held and blocks is None:
-            for layer in self.layers:
+            compiled = one_token_steps and layer.drop_rule is not None
+            layer_blocks = blocks if policy.band() is None or (compiled and blocks) else None
+            if compiled:
+                layer_blocks = layer_blocks or [1] * length  # one-token steps: a scan of one-token blocks
+            if self._fair[i] and layer.slots and layer_blocks is None:
                 layer.make_room(length)
-        for layer in self.layers:
-            layer.scan, layer.scan_fair, layer.compiled = blocks, self.fair, compiled
-        if slots is None:
-            positions = torch.arange(start, start + length, device=inputs.device).unsqueeze(0)
-        else:
-            positions = torch.tensor(slots, device=inputs.device).unsqueeze(0)
-        return positions, self.band_mask(length, inputs.device)
+            layer.scan, layer.scan_fair, layer.compiled = layer_blocks, self._fair[i], compiled
+            layer.moved = None
+            if self.rolling and layer.roller is not None and policy is not self._lead_policy:
+                if id(policy) not in own:
+                    own[id(policy)] = token_slots(policy.budget, layer.slots, self._fair[i], length, layer_blocks) \
+                        if layer_blocks is not None else range(layer.slots, layer.slots + length)
+                if own[id(policy)] != given:
+                    layer.moved = (given, own[id(policy)])
+        positions = torch.tensor(given, device=inputs.device).unsqueeze(0)
+        return positions, self.transformers_mask(length, inputs.device)
+
+    @property
+    def _lead_policy(self) -> EvictionPolicy:
+        return self.layers[self._lead].policy
 
     def _compiles(self, length: int, blocks: list[int] | None) -> bool:
         """Whether a forward is exact mode's steps for the compiled loop (engine/compiled.py): one token, or a scan in
-        blocks of one, with gradients off, for a policy that declares its one-entry cut (`drop_one`). Its attention
-        may still decline (device, dtype: `StreamingLayer.compiles`) and take the blocks one by one."""
+        blocks of one, with gradients off; a layer takes it if its policy declares its one-entry cut (`drop_one`).
+        Its attention may still decline (device, dtype: `StreamingLayer.compiles`) and take the blocks one by one."""
         one_token_steps = blocks is None and length == 1 or blocks is not None and max(blocks) == 1
-        return (one_token_steps and self.layers[0].drop_rule is not None and not torch.is_grad_enabled()
-                and compiled_loop() is not None)
+        return one_token_steps and not torch.is_grad_enabled() and compiled_loop() is not None
 
     def _slots_of(self, length: int, blocks: list[int] | None) -> tuple[int, list[int] | None]:
         """(the first token's position, every token's slot in a scanned forward with rolling, else None) for a
-        forward of `length` tokens, before it runs: with rolling a fair chunk first cuts to budget + 1 - length."""
+        forward of `length` tokens, before it runs: the lead layer's slots (with rolling a fair chunk first cuts to
+        budget + 1 - length; layer_types.token_slots)."""
         if not self.rolling:
             return self.seen, None
-        if blocks is not None:
-            slots = self._block_slots(blocks)
-            return slots[0], slots
-        n = self._held
-        if self.fair and n:
-            n = min(n, self.policy.budget + 1 - length)
-        return n, None
+        slots = token_slots(self._lead_policy.budget, self._held, self.fair, length, blocks)
+        return (slots[0], list(slots)) if blocks is not None else (slots.start, None)
 
     def blocks(self, length: int) -> list[int] | None:
         """The block sizes a forward of `length` tokens is scanned in (see the module docstring), or None when it is
@@ -313,17 +299,6 @@ class StreamingCache(Cache):
             sizes.append(min(step - (self.seen + done) % step, length - done))
             done += sizes[-1]
         return sizes if len(sizes) > 1 else None
-
-    def _block_slots(self, blocks: list[int]) -> list[int]:
-        """With rolling: the slot of every token of a scanned forward. Each block finds n entries (after the fair
-        cut to budget + 1 - C, if any), takes slots n..n+C-1, and its cut leaves min(n + C, budget)."""
-        budget, n, slots = self.policy.budget, self._held, []
-        for size in blocks:
-            if self.fair and n:
-                n = min(n, budget + 1 - size)
-            slots.extend(range(n, n + size))
-            n = min(n + size, budget)
-        return slots
 
     def _check_model(self, model) -> None:
         if model is None or model is self._model():
@@ -366,23 +341,32 @@ class StreamingCache(Cache):
                 "was not made for (make a new StreamingCache for each model) or one used inside another forward")
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def band_mask(self, length: int, device) -> torch.Tensor | None:
-        """For sink/window: query i (slot n+i) sees slots j <= n+i with j < sinks or j >= n+i-recent, exactly the
-        keys exact mode would give it. (batch 1, 1, length, n+length) bool, True = attend."""
-        band = self.policy.band()
-        if band is None or length == 1:
-            return None
-        return _band_mask(*band, self._held, length, device)
+    def transformers_mask(self, length: int, device) -> torch.Tensor | None:
+        """The 4D mask handed to transformers in place of the one it would build (None: let it build its own). Every
+        layer attends with its own mask (`StreamingLayer.mask`); a 4D mask only keeps transformers from building
+        masks of its own, which for sliding-window layers it would size from positions the cache has renumbered.
+        The lead layer's: its band for sink/window chunks, else (with layers of several kinds) causal."""
+        lead = self.layers[self._lead]
+        mask = lead.mask(length, self._held, device)
+        if mask is None and length > 1 and len({id(p) for p in self.layer_policies}) > 1:
+            mask = causal_mask(length, self._held + length, device)
+        return mask
 
     def state(self) -> dict:
         """A snapshot of every layer (after any pending cut), for `load_state`."""
-        return {"policy": self.policy.settings(), "rolling": self.rolling,
-                "layers": [layer.state() for layer in self.layers]}
+        state = {"policy": self.policy.settings(), "rolling": self.rolling,
+                 "layers": [layer.state() for layer in self.layers]}
+        if self._slides:
+            state["sliding"] = self.sliding
+        return state
 
     def load_state(self, state: dict) -> None:
         if state["policy"] != self.policy.settings() or state["rolling"] != self.rolling:
             raise H2OStreamError(f"saved cache was made with {state['policy']} (rolling={state['rolling']}), "
                                  f"not {self.policy.settings()} (rolling={self.rolling})")
+        mine = self.sliding if self._slides else None
+        if state.get("sliding") != mine:
+            raise H2OStreamError(f"saved cache was made with sliding layers {state.get('sliding')!r}, not {mine!r}")
         if len(state["layers"]) != len(self.layers):
             raise H2OStreamError(f"saved cache has {len(state['layers'])} layers, this model {len(self.layers)}")
         for layer, layer_state in zip(self.layers, state["layers"]):

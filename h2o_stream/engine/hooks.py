@@ -18,7 +18,9 @@ the engine memoises across forwards is made outside inference mode (memo.py), so
 
 from __future__ import annotations
 
+import warnings
 from contextvars import ContextVar
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -26,7 +28,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import (_full_mask, attend_with_scores, attend_with_sink_queries, causal_additive_mask,
+from .attention import (attend_with_scores, attend_with_sink_queries, causal_additive_mask, causal_mask,
                         fused_sink_attention_applies, layer_mean, sink_queries)
 
 ATTENTION_NAME = "h2o_stream"
@@ -35,45 +37,84 @@ _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
 
 def streaming_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     cache = _active_cache.get()
-    if cache is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
-                                      **kwargs)
-    layer = cache.layers[module.layer_idx]
+    # Gemma 2's attention soft-capping and GPT-OSS's learned attention sinks (one extra logit per query head)
+    extras = Extras(kwargs.get("softcap"), kwargs.get("s_aux"))
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
-    softcap = kwargs.get("softcap")
+    if cache is None:  # another cache or none: what the model would do without h2o-stream
+        if extras.plain:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)
+        if attention_mask is None and query.shape[-2] > 1:  # transformers leaves out a mask that is only causal
+            attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
+        return attend_with_scores(query, key, value, attention_mask, scaling, extras.softcap,
+                                  virtual_logits=extras.sinks)[0], None
+    layer = cache.layers[module.layer_idx]
     rows = getattr(layer, "rows", None)
     if rows is None:
-        return _layer_attention(layer, query, key, value, attention_mask, scaling, softcap), None
+        return _layer_attention(layer, query, key, value, scaling, extras), None
     # a RowsCache (engine/rows.py): every row attends over its own cache, as that cache alone would
-    outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), layer.masks[i], scaling,
-                                softcap) for i, row in enumerate(rows)]
+    outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), scaling, extras)
+               for i, row in enumerate(rows)]
     return torch.cat(outputs), None
 
 
-def _layer_attention(layer, query, key, value, attention_mask, scaling, softcap):
-    """Attention of `query` over one StreamingLayer (a scan block by block, the fused sink path where it applies)."""
+@dataclass(frozen=True)
+class Extras:
+    """What a model's attention adds to plain softmax attention: logit soft-capping, learned sink logits."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None  # (q_heads,) logits of a virtual key with no value (GPT-OSS)
+
+    @property
+    def plain(self) -> bool:
+        return self.softcap is None and self.sinks is None
+
+    @property
+    def what(self) -> str:
+        return " and ".join(n for n, v in (("logit soft-capping", self.softcap), ("learned sink logits", self.sinks))
+                            if v is not None)
+
+
+_said: set[str] = set()
+
+
+def say_once(path: str, what: str) -> None:
+    """One warning per path and reason: a fast path that cannot take what a model's attention does falls back to
+    the general one (the same numbers, slower)."""
+    if (path, what) not in _said:
+        _said.add((path, what))
+        warnings.warn(f"the {path} does not take {what}: those layers run on the general attention path instead "
+                      "(the same numbers, slower)", stacklevel=2)
+
+
+def _layer_attention(layer, query, key, value, scaling, extras: Extras):
+    """Attention of `query` over one StreamingLayer (a scan block by block, the fused sink path where it applies),
+    with the layer's own mask (its band, or causal) and its queries at its own slots."""
+    query = layer.move_query(query)
     if layer.scan is not None:
-        return _scan(layer, query, scaling, softcap)
-    mask = _full_mask(attention_mask, query.shape[-2], key.shape[-2], query.device)
+        return _scan(layer, query, scaling, extras)
+    mask = layer.mask(query.shape[-2], key.shape[-2] - query.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
-    plain = not layer.policy.needs_scores and softcap is None
-    if plain and sink_query is not None and fused_sink_attention_applies(query, key, mask, sinks):
-        output = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks)
-        layer.after_attention(None, steps=query.shape[-2])
-        return output
-    return _attend(layer, query, key, value, mask, scaling, softcap, sink_query, sinks)
+    if not layer.policy.needs_scores and sink_query is not None and fused_sink_attention_applies(query, key, mask,
+                                                                                                sinks):
+        if extras.plain:
+            output = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks)
+            layer.after_attention(None, steps=query.shape[-2])
+            return output
+        say_once("fused sink attention kernel", extras.what)
+    return _attend(layer, query, key, value, mask, scaling, extras, sink_query, sinks)
 
 
-def _attend(layer, query, key, value, mask, scaling, softcap, sink_query=None, sinks=0):
+def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=None, sinks=0):
     """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention)."""
     policy = layer.policy
-    if policy.needs_scores or softcap is not None or sink_query is not None:
+    if policy.needs_scores or not extras.plain or sink_query is not None:
         # exact mode (one query) needs no weights: every weight would be 1
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
-        output, received = attend_with_scores(query, key, value, mask, scaling, softcap, sink_query, sinks,
+        output, received = attend_with_scores(query, key, value, mask, scaling, extras.softcap, sink_query, sinks,
                                               last_query=policy.score_queries == "last", query_weights=weights,
-                                              squares=policy.score_squares)
+                                              squares=policy.score_squares, virtual_logits=extras.sinks)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
@@ -86,10 +127,14 @@ def _attend(layer, query, key, value, mask, scaling, softcap, sink_query=None, s
     return output
 
 
-def _scan(layer, query, scaling, softcap):
+def _scan(layer, query, scaling, extras: Extras):
     """A scanned forward (`StreamingCache(decide_every=...)`): the queries block by block, each block's entries
     appended after the previous block's cut, as if every block were its own forward."""
-    if layer.compiles(query, softcap):
+    if layer.compiled and not extras.plain:
+        say_once("compiled exact-mode loop", extras.what)
+    elif layer.compiled and layer.roller is not None and layer.roller.pairs:
+        say_once("compiled exact-mode loop", "interleaved rotary pairs")
+    elif layer.compiles(query):
         try:
             return layer.compiled_steps(query, scaling)
         finally:
@@ -99,7 +144,7 @@ def _scan(layer, query, scaling, softcap):
         for length in layer.scan:
             key, value = layer.open_block(start, length)
             mask = causal_additive_mask(length, key.shape[-2], query.device, query.dtype)
-            outputs.append(_attend(layer, query[..., start:start + length, :], key, value, mask, scaling, softcap))
+            outputs.append(_attend(layer, query[..., start:start + length, :], key, value, mask, scaling, extras))
             start += length
     finally:
         layer.close_scan()

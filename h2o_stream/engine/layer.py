@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..rope_rolling import RopeRoller
+from .attention import band_mask, causal_mask
 from .memo import ordinary, outside_inference_mode
 from .policies import EvictionPolicy
 
@@ -51,6 +52,9 @@ class StreamingLayer(CacheLayerMixin):
         self.compiled = False  # whether that forward's blocks are exact mode's steps for the compiled loop
         self._workspace = None  # the compiled loop's storage (engine/compiled.py); the layer's tensors view it
         self.drop_rule = policy.drop_one()  # how exact mode's one-entry cut is made, if the loop can make it
+        # (the positions the model rotated this forward's tokens at, this layer's own slots for them), when they
+        # differ: a layer running another policy than the lead layer's (a sliding window) has its own slots
+        self.moved: tuple[range | tuple[int, ...], range | tuple[int, ...]] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -76,10 +80,24 @@ class StreamingLayer(CacheLayerMixin):
         (`open_block`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        if self.moved is not None:
+            key_states = self.roller.move(key_states, *self.moved)
         if self.scan is not None:
             self._incoming = (key_states, value_states)
             return key_states, value_states
         return self._append(key_states, value_states, self.pending_tokens)
+
+    def move_query(self, query: torch.Tensor) -> torch.Tensor:
+        """The forward's queries at this layer's own slots (see `moved`), from where the model rotated them."""
+        return query if self.moved is None else self.roller.move(query, *self.moved)
+
+    def mask(self, length: int, held: int, device) -> torch.Tensor | None:
+        """The mask of a forward of `length` queries over `held` entries and themselves, bool, True = attend, or None
+        for one query: a band policy's band (exact mode's keys for every query), else causal."""
+        if length == 1:
+            return None
+        band = self.policy.band()
+        return causal_mask(length, held + length, device) if band is None else band_mask(*band, held, length, device)
 
     def open_block(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """In a scanned forward: make room for the block of `length` entries at `start` of the forward (fair chunks),
@@ -97,11 +115,12 @@ class StreamingLayer(CacheLayerMixin):
         self._block_is_last = True
         self.compiled = False
 
-    def compiles(self, query: torch.Tensor, softcap) -> bool:
+    def compiles(self, query: torch.Tensor) -> bool:
         """Whether the scanned forward now running goes through the compiled loop (`compiled_steps`): its blocks are
-        one token each (set by the cache) and its attention fits the loop (CPU, float32/float64, no soft-capping)."""
-        return (self.compiled and softcap is None and query.device.type == "cpu"
-                and query.dtype in (torch.float32, torch.float64))
+        one token each (set by the cache) and its attention fits the loop (CPU, float32/float64, a rotation of
+        halves; the attention function checks the model's extras: soft-capping, sink logits)."""
+        return (self.compiled and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
+                and (self.roller is None or not self.roller.pairs))
 
     def compiled_steps(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The scanned forward's one-token blocks in one compiled call (engine/compiled.py): the same appends,

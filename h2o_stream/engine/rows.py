@@ -24,15 +24,14 @@ from .layer import StreamingLayer
 
 class RowsLayer(CacheLayerMixin):
     """One model layer of a `RowsCache`: the rows' `StreamingLayer`s, and what each row's queries attend to in the
-    forward now running (`attend_to`: its keys and values; `masks`: its band mask or None, shared by all layers)."""
+    forward now running (`attend_to`: its keys and values; each row's layer makes its own mask)."""
 
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, rows: list[StreamingLayer], masks: list[torch.Tensor | None]):
+    def __init__(self, rows: list[StreamingLayer]):
         super().__init__()
         self.rows = rows
-        self.masks = masks
         self.attend_to: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(rows)
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -71,16 +70,13 @@ class RowsCache(Cache):
         for cache in caches:
             cache._check_model(model.base_model)
         self.caches = caches
-        self._masks: list[torch.Tensor | None] = [None] * len(caches)
-        super().__init__(layers=[RowsLayer([cache.layers[i] for cache in caches], self._masks)
-                                 for i in range(len(caches[0].layers))])
+        super().__init__(layers=[RowsLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))])
         attach(model)
 
     def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
-        """Each row's position ids (stacked) for the forward about to run; the rows' band masks are kept for the
-        attention function. Every row is checked first (`StreamingCache.check_forward`), then each starts with its
-        plan."""
+        """Each row's position ids (stacked) for the forward about to run (each row's layers make their own masks).
+        Every row is checked first (`StreamingCache.check_forward`), then each starts with its plan."""
         if inputs.shape[0] != len(self.caches):
             raise H2OStreamError(f"this RowsCache has {len(self.caches)} rows and the forward brings a batch of "
                                  f"{inputs.shape[0]}: pass one row of tokens per cache")
@@ -90,10 +86,8 @@ class RowsCache(Cache):
 
         plans = [cache.check_forward(inputs[i:i + 1], model=model, position_ids=row(position_ids, i),
                                      attention_mask=row(attention_mask, i)) for i, cache in enumerate(self.caches)]
-        positions = []
-        for i, (cache, plan) in enumerate(zip(self.caches, plans)):
-            position, self._masks[i] = cache.start_forward(inputs[i:i + 1], plan)
-            positions.append(position)
+        positions = [cache.start_forward(inputs[i:i + 1], plan)[0]
+                     for i, (cache, plan) in enumerate(zip(self.caches, plans))]
         return torch.cat(positions), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -95,6 +95,8 @@ class Decoder:
                 result.fed += 1
         result.seconds += time.perf_counter() - start
         rest = text.finish()
+        if text.stopped is not None and result.stop_string is None:  # seen only in text held back until the end
+            result.stop_reason, result.stop_string = "eos", text.stopped
         if rest:
             result.text += rest
             yield rest

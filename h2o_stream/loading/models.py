@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.loading.default_model import DEFAULT_MODEL, cache_dir, default_gguf_path, load_default
-from h2o_stream.loading.sources import from_directory, from_gguf, from_hub
+from h2o_stream.loading.default_model import (DEFAULT_MODEL, NAMED_MODELS, cache_dir, default_gguf_path, load_default,
+                                              load_gguf_once, load_named)
+from h2o_stream.loading.sources import from_directory, from_hub
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -90,7 +91,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode without gradients, on `device` in `dtype`.
 
-    `spec` is None or "smollm2" for the default model, a .gguf file, a model directory, or a Hub id.
+    `spec` is None or "smollm2" for the default model, another named model ("gemma3-270m": NAMED_MODELS), a .gguf
+    file (converted once and cached by its sha256), a model directory, or a Hub id.
     """
     # Check every option before the slow part, so a typo fails in a second rather than after a load.
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
@@ -101,9 +103,13 @@ def load_model(
         torch.set_num_threads(threads)
 
     if spec is not None and not str(spec).strip():
-        raise H2OStreamError("the model to load is an empty string: pass smollm2, a .gguf file, a model directory or a Hub id")
-    if spec is None or str(spec).strip().lower() == DEFAULT_MODEL:
+        raise H2OStreamError("the model to load is an empty string: pass smollm2, gemma3-270m, a .gguf file, a model "
+                             "directory or a Hub id")
+    named = None if spec is None else str(spec).strip().lower()
+    if spec is None or named == DEFAULT_MODEL:
         model, tokenizer, name = load_default(torch_dtype)
+    elif named in NAMED_MODELS and not Path(str(spec)).expanduser().exists():  # a file or folder of that name wins
+        model, tokenizer, name = load_named(named, torch_dtype)
     else:
         model, tokenizer, name = _load_spec(str(spec), torch_dtype)
     return LoadedModel(model=_ready_for_inference(model, torch_device), tokenizer=tokenizer, name=name)
@@ -117,7 +123,7 @@ def _load_spec(spec: str, dtype: torch.dtype):
     if path.is_file():
         if path.suffix.lower() != ".gguf":
             raise H2OStreamError(f"{path} is a file but not a .gguf file: pass a .gguf file or a model directory")
-        return (*from_gguf(path, dtype), str(path))
+        return (*load_gguf_once(path, dtype), str(path))
     if spec.startswith(("/", "./", "../", "~")) or spec.lower().endswith(".gguf"):
         raise H2OStreamError(f"model not found: {path}")
     return (*from_hub(spec, dtype), spec)

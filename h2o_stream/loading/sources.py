@@ -25,8 +25,9 @@ _HUB_PROBE_SECONDS = 3.0  # how long the Hub's host gets to accept a connection 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
-def from_directory(path: Path, dtype: torch.dtype):
-    """(model, tokenizer) from a directory written by `save_pretrained`."""
+def from_directory(path: Path, dtype: torch.dtype, *, rust_tokenizer: bool = False):
+    """(model, tokenizer) from a directory written by `save_pretrained`. With `rust_tokenizer` the tokenizer is
+    read from its tokenizer.json by the `tokenizers` library alone (`rust_tokenizer_of`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if not (path / "config.json").is_file():
@@ -38,7 +39,7 @@ def from_directory(path: Path, dtype: torch.dtype):
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
         raise H2OStreamError(f"{path} has no tokenizer (no tokenizer.json): save one there with tokenizer.save_pretrained")
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = rust_tokenizer_of(path) if rust_tokenizer else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
         raise H2OStreamError(
             f"could not load a tokenizer from {path} ({one_line(exc)}): save one there with tokenizer.save_pretrained"
@@ -69,6 +70,34 @@ def from_gguf(path: Path, dtype: torch.dtype):
     except Exception as exc:  # the GGUF parser raises anything from ValueError to struct.error on a bad file
         raise _gguf_load_error(path, exc) from exc
     return model, tokenizer
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "sep_token", "cls_token")
+
+
+def rust_tokenizer_of(path: Path):
+    """The tokenizer saved in `path` as a plain fast tokenizer: its tokenizer.json read by the `tokenizers` library,
+    its special tokens and chat template from beside it. transformers' own loader rebuilds a large vocabulary in
+    Python first (Gemma 3's 262k tokens: ~13 s of a 2-core start), to the same tokens; a converted copy is checked
+    to tokenize as its GGUF does with this loader (default_model.py)."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    config_file, template = path / "tokenizer_config.json", path / "chat_template.jinja"
+    config = json.loads(config_file.read_text(encoding="utf-8")) if config_file.is_file() else {}
+    given = {k: config[k] for k in (*_SPECIAL_TOKENS, "model_max_length") if isinstance(config.get(k), (str, int))}
+    try:
+        backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+    except Exception as exc:  # the tokenizers library raises a bare Exception for a file it cannot parse
+        raise ValueError(f"tokenizer.json is not readable: {one_line(exc)}") from exc
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **given)
+    if template.is_file():
+        tokenizer.chat_template = template.read_text(encoding="utf-8")
+    elif isinstance(config.get("chat_template"), str):
+        tokenizer.chat_template = config["chat_template"]
+    return tokenizer
 
 
 def from_hub(repo_id: str, dtype: torch.dtype):

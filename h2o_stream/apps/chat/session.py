@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -45,6 +45,19 @@ def chat_sampling(**settings) -> Sampling:
 
 class _Cancelled(Exception):
     pass
+
+
+def _check_message(text) -> None:
+    """A user message must be non-empty text that can be written as UTF-8."""
+    if not isinstance(text, str):
+        raise H2OStreamError(f"a message must be text, got {type(text).__name__}")
+    if not text.strip():
+        raise H2OStreamError("the message is empty")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as error:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
+        raise H2OStreamError(f"the message is not valid text (character {error.start} is not UTF-8: "
+                             f"{text[error.start]!r})") from None
 
 
 class ChatSession:
@@ -139,29 +152,48 @@ class ChatSession:
 
     # -- turns --------------------------------------------------------------------------------------------------------
 
-    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None,
+             stop: Sequence[str] = ()) -> Iterator[str]:
         """Add a user message and generate the reply, yielding its text as it comes; returns a TurnResult (also kept
         as `last_turn`).
 
         `should_stop()` is polled before every forward pass: while the message is being fed a True cancels the
         turn (the session is as before it), while the reply is generated it ends the reply there (what was said
         stays). Closing the generator early also ends the reply there. If anything raises mid-turn (even inside a
-        forward pass) the session is restored to where it was before the turn.
+        forward pass) the session is restored to where it was before the turn. `stop`: texts that end this reply
+        besides the format's own (the reply is cut before them).
         """
-        if not isinstance(text, str):
-            raise H2OStreamError(f"a message must be text, got {type(text).__name__}")
-        if not text.strip():
-            raise H2OStreamError("the message is empty")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as error:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
-            raise H2OStreamError(f"the message is not valid text (character {error.start} is not UTF-8: "
-                                 f"{text[error.start]!r})") from None
-        return self._turn(text, should_stop or (lambda: False))
+        _check_message(text)
+        stop = tuple(stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise H2OStreamError("a stop text must be a non-empty string")
+        return self._turn(text, should_stop or (lambda: False), stop)
 
-    def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> TurnResult:
+    def replay(self, text: str, reply: str) -> TurnResult:
+        """Feed a finished exchange as it was (a user message and the reply it got), generating nothing: how a
+        conversation held elsewhere (a client's history) is rebuilt turn by turn. The cache then holds both
+        messages, as after a turn that said `reply`; on any error the session is as before."""
+        _check_message(text)
+        if not isinstance(reply, str):
+            raise H2OStreamError(f"a reply must be text, got {type(reply).__name__}")
+        self._check_idle("replay a turn")
+        checkpoint = self._checkpoint()
+        try:
+            start = time.perf_counter()
+            ids = self.format.user_ids(text, first=self.turns == 0) + self.format.encode(reply) + \
+                self.format.closing_ids()
+            feed(self.model, self.cache, torch.tensor([ids], dtype=torch.long), self.chunk_size)
+            seconds = time.perf_counter() - start
+        except BaseException:
+            self._restore(checkpoint)
+            raise
+        return self._record(text, TurnResult(text=reply, prompt_tokens=len(ids), generated_tokens=0,
+                                             stop_reason="replayed", prompt_seconds=seconds, generate_seconds=0.0))
+
+    def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None,
+             stop: Sequence[str] = ()) -> TurnResult:
         """`send` without streaming: the whole turn, then its TurnResult."""
-        for _ in self.send(text, should_stop=should_stop):
+        for _ in self.send(text, should_stop=should_stop, stop=stop):
             pass
         return self.last_turn
 
@@ -169,18 +201,18 @@ class ChatSession:
         if self._busy:
             raise H2OStreamError(f"cannot {action} while a reply is being generated: finish or close it first")
 
-    def _turn(self, text: str, should_stop: Callable[[], bool]) -> Iterator[str]:
+    def _turn(self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]) -> Iterator[str]:
         self._check_idle("start another turn")
         self._busy = True
         try:
-            return (yield from self._run_turn(text, should_stop))
+            return (yield from self._run_turn(text, should_stop, stop))
         finally:
             self._busy = False
 
-    def _run_turn(self, text: str, should_stop: Callable[[], bool]) -> Iterator[str]:
+    def _run_turn(self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]) -> Iterator[str]:
         checkpoint = self._checkpoint()
         decoder = Decoder(self.model, self.tokenizer, self.sampling, stop_ids=self.stop_ids, generator=self.generator,
-                          stop_strings=self.format.stop_strings)
+                          stop_strings=self.format.stop_strings + stop)
         prompt_tokens, prompt_seconds = 0, 0.0
         try:
             start = time.perf_counter()
@@ -217,13 +249,17 @@ class ChatSession:
         except BaseException:
             self._restore(checkpoint)
             raise
-        result = TurnResult(text=reply.text, prompt_tokens=prompt_tokens + len(closing_ids),
-                            generated_tokens=len(reply.token_ids), stop_reason=reason, prompt_seconds=prompt_seconds,
-                            generate_seconds=reply.seconds, token_ids=list(reply.token_ids))
+        return self._record(text, TurnResult(text=reply.text, prompt_tokens=prompt_tokens + len(closing_ids),
+                                             generated_tokens=len(reply.token_ids), stop_reason=reason,
+                                             prompt_seconds=prompt_seconds, generate_seconds=reply.seconds,
+                                             token_ids=list(reply.token_ids)))
+
+    def _record(self, text: str, result: TurnResult) -> TurnResult:
+        """Count a finished turn and keep its messages as text."""
         self.turns += 1
         self.prompt_tokens += result.prompt_tokens
         self.generated_tokens += result.generated_tokens
-        self.prompt_seconds += prompt_seconds
+        self.prompt_seconds += result.prompt_seconds
         self.generate_seconds += result.generate_seconds
         self._recent.append({"role": "user", "content": text[:RECENT_CHARS]})
         self._recent.append({"role": "assistant", "content": result.text[:RECENT_CHARS]})

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 #: TurnResult.stop_reason values: the reply ended itself (end-of-turn token or stop text), hit max_new_tokens, was
-#: stopped by the user while generated (kept), or cancelled while the message was read (the turn is undone)
-TURN_STOP_REASONS = ("end", "length", "interrupted", "cancelled")
+#: stopped by the user while generated (kept), was cancelled while the message was read (the turn is undone), or
+#: was given rather than generated (`ChatSession.replay`)
+TURN_STOP_REASONS = ("end", "length", "interrupted", "cancelled", "replayed")
 
 
 @dataclass

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import shlex
 from collections.abc import Iterable
@@ -26,6 +25,7 @@ from h2o_stream.loading.corpus import corpus_digest
 
 from .digest import StreamDigest
 from .run import PerplexityRun, settings_difference
+from .schema import read_result
 
 
 def model_fingerprint(model) -> str:
@@ -90,13 +90,9 @@ def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) ->
         have, where = found.position, "a checkpoint at"
     result_path = out / f"{name}.json"
     if result_path.exists():
-        try:
-            previous = json.loads(result_path.read_text())
-            settings, fed = previous["settings"], int(previous["tokens_fed"])
-            exhausted = bool(previous.get("corpus_exhausted"))
-        except (OSError, ValueError, KeyError, TypeError):
-            raise H2OStreamError(f"{result_path} is not a readable result of h2o-stream ppl; move it away or choose "
-                                 "another --out") from None
+        previous = read_result(result_path)
+        settings, fed = previous["settings"], previous["tokens_fed"]
+        exhausted = previous.get("corpus_exhausted") is True
         if settings != run.settings:
             raise H2OStreamError(f"{result_path} holds a result made with other settings "
                                  f"({settings_difference(settings, run.settings)}); rerun with the same settings or "

@@ -1,9 +1,11 @@
 """The leaderboard: every policy at every cache size on one stream, as a table and two plots.
 
 It is built from `h2o-stream ppl` result files alone (`report.results_in`), so it can be redrawn at any time and it
-covers whatever runs have finished. Per cache size it ranks the policies by perplexity and gives each one's ratio to
-sink and to h2o at that size (only between runs over the same number of predicted tokens; otherwise the ratio is
-None), the most keys any query saw, the chunk size and the speed. Files: `leaderboard.json`, `leaderboard.md`,
+covers whatever runs have finished; runs not made on one stream through one model are refused, never ranked side by
+side (`report.check_comparable`). Per cache size it ranks the policies by perplexity and gives each one's ratio to
+sink and to h2o at that size (only between runs over the same tokens: the same stream digest; otherwise the ratio is
+None), the most keys any query saw, the chunk size and the speed; a run without eviction (full) is the reference row
+and line. Files: `leaderboard.json`, `leaderboard.md`,
 `ppl_vs_cache.png` (PPL against cache size, one line per policy) and `windowed_ppl.png` (PPL of consecutive windows
 of the stream, one panel per cache size).
 """
@@ -18,14 +20,17 @@ import statistics
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
-from .report import LINE_STYLES, cache_size, pyplot, results_in, save_figure, title_figure, title_of
+from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_in, save_figure, title_figure,
+                     title_of)
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
 
 
 def leaderboard(results: list[dict]) -> dict:
-    """{'sizes': {size: {'rows': [...best first], 'winner': name}}} over the bounded runs in `results`."""
+    """{'sizes': {size: {'rows': [...best first], 'winner': name}}, 'reference': [full's row]} over `results` (runs
+    on one stream: `report.check_comparable`). A ratio is given only between runs over the same tokens (the same
+    stream digest), else None."""
     sizes: dict[int, list[dict]] = {}
     for result in results:
         size = cache_size(result)
@@ -34,19 +39,11 @@ def leaderboard(results: list[dict]) -> dict:
     board = {}
     for size, runs in sorted(sizes.items()):
         baselines = {r["settings"]["policy"]: r for r in runs if r["settings"]["policy"] in BASELINES}
-        rows = []
-        for r in sorted(runs, key=lambda r: r["ppl"]):
-            row = {"policy": r["settings"]["policy"], "ppl": r["ppl"], "tokens": r["predicted_tokens"],
-                   "max_keys_seen": r.get("max_keys_seen"), "tokens_per_second": r["tokens_per_second"],
-                   "chunk_size": r["settings"]["chunk_size"], "wide_chunks": r["settings"].get("wide_chunks", True),
-                   "span": r.get("span")}
-            for name in BASELINES:
-                base = baselines.get(name)
-                same = base is not None and base["predicted_tokens"] == r["predicted_tokens"]
-                row[f"vs_{name}"] = r["ppl"] / base["ppl"] if same else None
-            rows.append(row)
+        rows = [_row(r, baselines) for r in sorted(runs, key=lambda r: r["ppl"])]
         board[size] = {"rows": rows, "winner": rows[0]["policy"]}
-    return {"title": title_of(results), "about": about(results), "sizes": board}
+    # a policy without a budget (full: no eviction) is the reference every size is measured against, not a contestant
+    reference = [_row(r, {}) for r in results if cache_size(r) is None]
+    return {"title": title_of(results), "about": about(results), "sizes": board, "reference": reference}
 
 
 def about(results: list[dict], today: datetime.date | None = None) -> dict:
@@ -54,18 +51,21 @@ def about(results: list[dict], today: datetime.date | None = None) -> dict:
     finished; each field lists its distinct values (one, when the runs agree). `commands`: each command and how many
     runs it made, most first. `drawn`: the date the board is drawn (`today`), shown when no run records when it
     finished."""
-    def each(get) -> list:
-        return list(dict.fromkeys(value for r in results if (value := get(r)) is not None))
-    finished = sorted(r["finished"] for r in results if r.get("finished"))
+    def each(get, kind: type = str) -> list:
+        # a field of a run file that is not of its kind (a damaged or hand-made file) is left out, never fatal
+        found = (get(r) for r in results)
+        return list(dict.fromkeys(v for v in found if isinstance(v, kind) and not isinstance(v, bool)))
+    finished = sorted(each(lambda r: r.get("finished")))
+    commands = collections.Counter(c for r in results if isinstance(c := r.get("command"), str))
     return {"runs": len(results), "model": each(lambda r: r["settings"].get("model")),
             "corpus": each(lambda r: r["settings"].get("data")),
             "corpus_sha256": each(lambda r: r["settings"].get("data_sha256")),
-            "corpus_bytes": each(lambda r: r["settings"].get("data_bytes")),
-            "requested_tokens": each(lambda r: r.get("requested_tokens")),
-            "predicted_tokens": each(lambda r: r.get("predicted_tokens")),
+            "corpus_bytes": each(lambda r: r["settings"].get("data_bytes"), int),
+            "requested_tokens": each(lambda r: r.get("requested_tokens"), int),
+            "predicted_tokens": each(lambda r: r.get("predicted_tokens"), int),
             "finished": [finished[0][:10], finished[-1][:10]] if finished else None,
-            "undated_runs": len(results) - len(finished),
-            "commands": dict(collections.Counter(r["command"] for r in results if r.get("command")).most_common()),
+            "undated_runs": sum(not isinstance(r.get("finished"), str) for r in results),
+            "commands": dict(commands.most_common()),
             "drawn": (today or datetime.date.today()).isoformat()}
 
 
@@ -95,14 +95,27 @@ def heading(about: dict) -> list[str]:
             f"- Runs: {about['runs']}, {when}", *command, ""]
 
 
+def _row(result: dict, baselines: dict[str, dict]) -> dict:
+    row = {"policy": result["settings"]["policy"], "ppl": result["ppl"], "tokens": result["predicted_tokens"],
+           "max_keys_seen": result.get("max_keys_seen"), "tokens_per_second": result["tokens_per_second"],
+           "chunk_size": result["settings"]["chunk_size"], "wide_chunks": result["settings"].get("wide_chunks", True),
+           "span": result.get("span")}
+    for name in BASELINES:
+        base = baselines.get(name)
+        same = base is not None and base["stream_sha256"] == result["stream_sha256"]
+        row[f"vs_{name}"] = result["ppl"] / base["ppl"] if same else None
+    return row
+
+
 def markdown(board: dict) -> str:
     """The leaderboard as Markdown: a heading saying what was run (`heading`), then a table with one block of rows
-    per cache size, best first."""
+    per cache size, best first, and the reference (full cache) last."""
     lines = heading(board["about"]) if "about" in board else []
     lines += ["| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | predicted tokens |",
               "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for size, entry in board["sizes"].items():
-        for row in entry["rows"]:
+    blocks = [(str(size), entry["rows"]) for size, entry in board["sizes"].items()]
+    for size, rows in [*blocks, ("all", board.get("reference", []))]:
+        for row in rows:
             ratios = [f"{row[f'vs_{name}']:.3f}" if row[f"vs_{name}"] is not None else "—" for name in BASELINES]
             lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
                          f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
@@ -130,7 +143,8 @@ def windowed(curve: list[tuple[int, float]], windows: int = 25) -> list[tuple[in
 
 def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
     """Build the leaderboard from every result in `runs_dir` and write its files (FILES) into `out`."""
-    results = [r for r in results_in(runs_dir) if cache_size(r) is not None]
+    results = results_in(runs_dir)
+    check_comparable(results, runs_dir)
     board = leaderboard(results)
     out = Path(out)
     write_json(out / "leaderboard.json", board)
@@ -160,6 +174,8 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
     """PPL against cache size, one line per policy; with a single cache size, one bar per policy from 0 (two dots
     on an axis zoomed to their gap would make a 1% difference look like a chasm)."""
     fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
+    reference = [r for r in results if cache_size(r) is None]  # no eviction: a line across, not a contestant
+    results = [r for r in results if cache_size(r) is not None]
     sizes = sorted({cache_size(r) for r in results})
     if len(sizes) == 1:
         runs = sorted(results, key=lambda r: r["ppl"])
@@ -175,6 +191,9 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("cache size (entries per layer and KV head)")
         ax.legend(fontsize=8)
+    for r in reference:
+        ax.axhline(r["ppl"], color="gray", linewidth=1, label=f"{r['settings']['policy']} (no eviction)")
+        ax.legend(fontsize=8)
     ax.set_ylabel("perplexity")
     ax.grid(alpha=0.3)
     title_figure(fig, title)
@@ -184,13 +203,14 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
 def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     """PPL of consecutive windows of the stream (each window's own, not the running PPL), one panel per cache size;
     each panel says how long its windows are."""
-    sizes = sorted({cache_size(r) for r in results})
+    sizes = sorted({cache_size(r) for r in results if cache_size(r) is not None})
     fig, axes = pyplot().subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False,
                                   layout="constrained")
     styles = _styles(results)
     for ax, size in zip(axes[0], sizes):
         ends = set()
-        for r in sorted((r for r in results if cache_size(r) == size), key=lambda r: r["settings"]["policy"]):
+        # each panel: that size's runs, and the reference (no eviction) in every panel
+        for r in sorted((r for r in results if cache_size(r) in (size, None)), key=lambda r: r["settings"]["policy"]):
             points = windowed(r["curve"])
             ends.update(n for n, _ in points)
             policy = r["settings"]["policy"]

@@ -12,13 +12,13 @@ checkpoint is intact either way; the same command with --resume continues.
 
 from __future__ import annotations
 
-import json
 import socket
 from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError, one_line
 from h2o_stream.files import write_json
 from .interrupt import Interrupted, StopRequest
+from .schema import read_result
 from .sweep import run_share, write_reports
 
 #: --ray value that starts a Ray instance on this machine for the sweep (and stops it afterwards)
@@ -115,4 +115,4 @@ def _run_one(sweep, names: list[str], loading: dict) -> tuple[str, list[str], di
         return "stopped", [*notes, str(stopped)], {}
     except H2OStreamError as error:
         return "error", [*notes, str(error)], {}
-    return "done", notes, {name: json.loads((Path(sweep.out) / f"{name}.json").read_text()) for name in names}
+    return "done", notes, {name: read_result(Path(sweep.out) / f"{name}.json") for name in names}

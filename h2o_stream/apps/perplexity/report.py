@@ -6,30 +6,76 @@ here; each policy gets its own line style in the order the policies first appear
 
 from __future__ import annotations
 
-import json
 import os
 import textwrap
 from pathlib import Path
 
 from h2o_stream.engine.policies import POLICIES, policy_class
+from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for callers)
+from .schema import read_result
 
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
+#: files h2o-stream writes beside the run results in a directory (reports over them), never read as results
+REPORT_FILES = ("summary.json", "leaderboard.json")
+#: what two runs must share for their perplexities to be compared: the same tokens (the corpus's text, where the
+#: stream starts, whether the cache empties at each book) through the same weights in the same dtype and positions
+STREAM_SETTINGS = ("model_weights", "dtype", "rolling", "skip_tokens", "reset_per_book")
+
+
 def results_in(directory: str | os.PathLike) -> list[dict]:
-    """Every run result in `directory` (the `<run>.json` files of h2o-stream ppl; other JSON files are skipped),
-    ordered by policy and cache size."""
+    """Every run result in `directory` (its `*.json` files but the reports in REPORT_FILES), each checked against the
+    result schema (`schema.read_result`), ordered by policy and cache size. A file that is not a valid result (a
+    damaged or hand-edited one, a JSON file of the user's, a FIFO) is an H2OStreamError naming the file and the
+    field: nothing is reported over, or written beside, files that cannot be trusted."""
     results = []
     for path in sorted(Path(directory).glob("*.json")):
-        try:
-            result = json.loads(path.read_text())
-        except (OSError, ValueError):
+        if path.name in REPORT_FILES:
             continue
-        if isinstance(result, dict) and isinstance(result.get("settings"), dict) and "curve" in result \
-                and "nll_sum" in result and result["settings"].get("policy") in POLICIES:
-            results.append(result)
+        result = read_result(path)
+        if result["settings"]["policy"] not in POLICIES:
+            raise H2OStreamError(f"{path}: field 'settings.policy': {result['settings']['policy']!r} is not a policy "
+                                 f"of this h2o-stream ({', '.join(POLICIES)}); move it away or choose another --out")
+        results.append(result)
     return sorted(results, key=lambda r: (r["settings"]["policy"], cache_size(r) or 0))
+
+
+def run_name(result: dict) -> str:
+    """The run's name as `h2o-stream ppl` gives it, e.g. 'h2o-256' ('full' for a policy without parts)."""
+    size = cache_size(result)
+    return result["settings"]["policy"] + (f"-{size}" if size is not None else "")
+
+
+def stream_difference(settings: dict, other: dict) -> str | None:
+    """Why runs with these settings are not comparable (see STREAM_SETTINGS), or None when they are."""
+    from .run import settings_difference
+
+    def stream(s: dict) -> dict:
+        # the corpus by its text where both runs know it (the same text at two paths is one corpus), else by name
+        corpus = ("data_sha256",) if settings.get("data_sha256") and other.get("data_sha256") else ("data",)
+        return {key: s.get(key) for key in (*STREAM_SETTINGS, *corpus)}
+
+    mine, theirs = stream(settings), stream(other)
+    return settings_difference(mine, theirs) if mine != theirs else None
+
+
+def check_comparable(results: list[dict], directory: str | os.PathLike, settings: dict | None = None,
+                     against: str = "") -> None:
+    """Refuse results in `directory` that were not run on one stream through one model (`stream_difference`): with
+    `settings`, against those (the runs about to be made, named `against`); else against the first result. A report
+    over them would rank perplexities of different texts or models side by side."""
+    if not results:
+        return
+    if settings is None:
+        settings, against = results[0]["settings"], f"{Path(directory) / run_name(results[0])}.json"
+    for result in results:
+        why = stream_difference(result["settings"], settings)
+        if why:
+            raise H2OStreamError(f"{Path(directory) / run_name(result)}.json and {against} were not run on the same "
+                                 f"stream through the same model ({why}); a report ranks only runs that were: move "
+                                 "the other runs away or choose another --out")
 
 
 def title_of(results: list[dict]) -> str:

@@ -43,6 +43,7 @@ class PerplexityResult:
     process_starts: list[int] = field(default_factory=list)  # where each process of the run began (see PerplexityRun)
     max_keys_seen: int = 0  # the most keys any query attended to (budget + 1 in exact and fair chunked mode)
     span: int | None = None  # tokens per model forward (a multiple of the chunk size; None: not recorded)
+    kv_entries: int | None = None  # entries per KV head held at the end, summed over all layers (sliding ones too)
 
     @property
     def mean_nll(self) -> float:
@@ -61,7 +62,8 @@ class PerplexityResult:
                 "nll_sum": self.nll_sum, "mean_nll": self.mean_nll, "ppl": self.ppl, "seconds": self.seconds,
                 "tokens_per_second": self.tokens_per_second, "peak_rss_bytes": self.peak_rss_bytes,
                 "rss_samples": self.rss_samples, "process_starts": self.process_starts,
-                "max_keys_seen": self.max_keys_seen, "span": self.span, "curve": self.curve}
+                "max_keys_seen": self.max_keys_seen, "span": self.span, "kv_entries": self.kv_entries,
+                "curve": self.curve}
 
 
 class PerplexityRun:
@@ -180,7 +182,7 @@ class PerplexityRun:
                                 nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
                                 peak_rss_bytes=max([self.peak_rss, *(b for _, b in samples)]), rss_samples=samples,
                                 process_starts=list(self.process_starts), max_keys_seen=self.cache.max_keys_seen,
-                                span=self.span)
+                                span=self.span, kv_entries=self.cache.entries)
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:

@@ -16,8 +16,9 @@ import stat
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from h2o_stream.engine.policies import POLICIES, policy_class
 from h2o_stream.errors import H2OStreamError
 
 #: a result file larger than this is not one (a 4M-token run's file is ~0.5 MB)
@@ -52,6 +53,23 @@ class Settings(BaseModel):
     data: str
     data_sha256: str | None = None
 
+    @field_validator("policy")
+    @classmethod
+    def _is_known(cls, name: str) -> str:
+        if name not in POLICIES:
+            raise ValueError(f"{name!r} is not a policy of this h2o-stream ({', '.join(POLICIES)})")
+        return name
+
+    @model_validator(mode="after")
+    def _has_its_parts(self) -> Settings:
+        # the budget split is read from the settings by the policy's declared parts (the cache size is their sum)
+        for part in policy_class(self.policy).part_names():
+            value = getattr(self, part, None)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{self.policy}'s budget part {part!r} must be a whole number of slots, got "
+                                 f"{value!r}")
+        return self
+
 
 class Result(BaseModel):
     """A finished (or extended) run's result: the numbers every report reads."""
@@ -66,6 +84,7 @@ class Result(BaseModel):
     ppl: float = Field(ge=1)
     seconds: float = Field(ge=0)
     tokens_per_second: float = Field(ge=0)
+    peak_rss_bytes: Count
     curve: list[tuple[Positive, Annotated[float, Field(ge=1)]]]
     stream_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     max_keys_seen: Count | None = None
@@ -112,7 +131,7 @@ def read_result(path: str | os.PathLike) -> dict:
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "(the file)"
-        got = "" if first["type"] == "missing" else f" (got {_short(first.get('input'))})"
+        got = "" if first["type"] == "missing" else f" (got {_short(repr(first.get('input')))})"  # repr: one line
         raise H2OStreamError(f"{path}: field {field!r}: {first['msg']}{got}; "
                              "a damaged or hand-edited result is never read: restore it, or move it away and "
                              "run again") from None

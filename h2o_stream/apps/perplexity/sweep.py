@@ -25,15 +25,15 @@ from pathlib import Path
 import torch
 import transformers
 
-from h2o_stream.engine.policies import EvictionPolicy, make_policy, policy_class
+from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
-from h2o_stream.loading.corpus import book_token_ids, describe_source, iter_books
+from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
 from h2o_stream.version import __version__
 from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
 from .interrupt import Interrupted, StopRequest
 from .progress import Bars
-from .report import plot_curves, results_in, title_of
+from .report import check_comparable, plot_curves, results_in, title_of
 from .rows import RunRows
 from .run import PerplexityRun, forward_span, skip_tokens_of
 
@@ -112,6 +112,9 @@ class Sweep:
                                  wide_chunks=self.wide_chunks, span=self.span)
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
+        # the reports cover every result in `out`: one made on another stream or model would be ranked beside these
+        check_comparable(results_in(out), out, {**base, "rolling": self.rolling, "reset_per_book": self.reset_per_book},
+                         "the runs of this command")
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
         fixed_positions = not self.rolling and not self.reset_per_book
         context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
@@ -134,6 +137,10 @@ class Sweep:
         if existing and not self.resume:
             raise H2OStreamError(f"{out} already holds results ({existing[0].name}, ...); pass --resume to continue "
                                  "those runs or choose another --out")
+        corpus = corpus_directory(self.data)
+        if corpus is not None and corpus in (out.resolve(), *out.resolve().parents):
+            raise H2OStreamError(f"--out {out} is inside the corpus --data {self.data}: the results written there "
+                                 "would be read as books of the corpus; choose an --out outside it")
         if next(iter_books(self.data), None) is None:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
 
@@ -159,12 +166,13 @@ class Sweep:
         return dataclasses.replace(self, specs=[(name, specs[name]) for name in names])
 
     def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
-            stop: StopRequest | None = None, bars: Bars | None = None) -> list[dict]:
+            stop: StopRequest | None = None, bars: Bars | None = None, report: bool = True) -> list[dict]:
         """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
         `resume`); writes the files and returns the results of every run in `out`. `note` receives one line per event
         worth telling a user (a run starts, resumes, runs out of corpus). With `stop`, a requested stop checkpoints
         after the current forward and raises `Interrupted`. `bars`: where progress goes (default: bars drawn
-        here)."""
+        here). Without `report`, no reports are written (nor results returned): a worker's share leaves them to the
+        parent."""
         out = Path(self.out)
         new_run, plans = self.check_runs(model, tokenizer, model_name)
         policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans))
@@ -184,7 +192,7 @@ class Sweep:
                         self.checkpoint_every, stop, ", ".join(names), bars)
                 for name, run in zip(names, runs):
                     self._finish(name, run, len(runs), note)
-        return write_reports(out)
+        return write_reports(out) if report else []
 
     def _start(self, name: str, policy: EvictionPolicy, new_run, start: Plan, note) -> PerplexityRun:
         run = new_run(policy)
@@ -221,11 +229,15 @@ def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: St
 
     from h2o_stream.loading.models import load_model
 
+    for _, policy in sweep.specs:  # a policy registered at run time in the parent is known here by its class alone
+        if type(policy).name not in POLICIES:
+            register(type(policy))
     transformers_logging.disable_progress_bar()
     loaded = load_model(**loading)
     note(f"ready: torch and {loaded.name} loaded")
-    for names in groups:
-        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, bars=bars)
+    for names in groups:  # the reports over every run are the parent's to write, once all have finished
+        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, bars=bars,
+                              report=False)
 
 
 def write_reports(out: Path) -> list[dict]:

@@ -25,10 +25,9 @@ from .sweep import run_share, write_reports
 
 def auto_workers(runs: int, model, *, cores: int | None = None, available: int | None = None) -> int:
     """Workers for `--workers auto`: on a CPU, one per core, at most one per run and as many as the available memory
-    holds a model's copy (its parameters twice over plus 512 MiB of working memory each); elsewhere 1. Measured on 2
-    cores (eval/results/bench_workers.json): two single-thread workers ran an h2o + sink sweep at 362 tok/s, one
-    2-thread process at 305, because a second thread speeds up the cache's many small operations little
-    (eval/results/bench_scan.json)."""
+    holds a model's copy (its parameters twice over plus 512 MiB of working memory each); elsewhere 1. One thread per
+    worker because a second thread speeds up the cache's many small operations little (eval/results/speed/: the
+    1- and 2-thread rows of the same runs), while a second worker doubles them."""
     if model.device.type != "cpu" or runs <= 1:
         return 1
     cores = cores or os.cpu_count() or 1

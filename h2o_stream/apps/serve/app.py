@@ -1,0 +1,206 @@
+"""The HTTP side: a FastAPI app with OpenAI's routes in front of a `Service`.
+
+    GET  /v1/models             the one model served
+    POST /v1/chat/completions   a turn; with "stream": true as server-sent events in OpenAI's chunk format
+
+Every response to a turn carries `X-Conversation-Id` (send it back to name the conversation) and, besides OpenAI's
+fields, an `h2o_stream` object (in a stream: on the last chunk) saying how the history was matched and what the cache
+holds. Every error is OpenAI's error object with a 4xx or 5xx status; nothing a request does stops the server. A
+client that goes away mid-turn cancels it: its conversation stays at its last completed turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from h2o_stream.errors import H2OStreamError
+
+from .protocol import ApiError, chunk, completion, completion_id, models_list, parse_body, sse, too_large
+from .service import Service
+
+CONVERSATION_HEADER = "X-Conversation-Id"
+POLL_SECONDS = 0.5  # how often a waiting request checks whether its client is still there
+_DRAIN_FACTOR = 8  # a body over the limit is read (and dropped) up to this many times the limit, then cut off
+
+
+def create_app(service: Service) -> FastAPI:
+    """The app; its lifespan starts and stops `service`."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        service.start()
+        try:
+            yield
+        finally:
+            service.stop()
+
+    app = FastAPI(title="h2o-stream", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    started = int(time.time())
+    settings = service.settings
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, error: ApiError):
+        return JSONResponse(error.body(), status_code=error.status, headers=_auth_header(error))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request, error: HTTPException):
+        message = "no such route" if error.status_code == 404 else str(error.detail)
+        return JSONResponse(ApiError(error.status_code, f"{message}: {request.method} {request.url.path}").body(),
+                            status_code=error.status_code)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request, error: RequestValidationError):
+        return JSONResponse(ApiError(400, f"bad request: {error.errors()[0].get('msg')}").body(), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request, error: Exception):
+        return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body(),
+                            status_code=500)
+
+    def authorize(request: Request) -> None:
+        if settings.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        scheme, _, key = given.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
+            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)" if given else
+                           "this server needs an API key (Authorization: Bearer KEY)", code="invalid_api_key")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(request)
+        return models_list(settings.served_model, started)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(request)
+        body = await _read_body(request, settings.limits)
+        chat = parse_body(body, settings.limits)
+        turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER))
+        job = service.worker.submit(turn, asyncio.get_running_loop())
+        try:
+            kind, value = await _next_event(job, request)
+            if kind == "error":
+                raise value
+            headers = {CONVERSATION_HEADER: value["conversation"]}
+            cid = completion_id()
+            if chat.stream:
+                include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
+                return StreamingResponse(_stream(job, cid, chat.model, include_usage), headers=headers,
+                                         media_type="text/event-stream")
+            pieces = []
+            while True:
+                kind, value = await _next_event(job, request)
+                if kind == "text":
+                    pieces.append(value)
+                elif kind == "error":
+                    raise value
+                else:
+                    return JSONResponse(completion(cid, chat.model, "".join(pieces), value["finish_reason"],
+                                                   value["usage"], value["extra"]), headers=headers)
+        except (ApiError, asyncio.CancelledError, _Gone):
+            job.cancel()
+            raise
+
+    return app
+
+
+class _Gone(Exception):
+    """The client closed the connection."""
+
+
+async def _next_event(job, request: Request):
+    """The job's next event; _Gone if the client disconnects while it waits."""
+    while True:
+        try:
+            return await asyncio.wait_for(job.events.get(), timeout=POLL_SECONDS)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise _Gone from None
+
+
+async def _stream(job, cid: str, model: str, include_usage: bool):
+    """The reply as server-sent events. If the client goes away, Starlette cancels this generator: the job is
+    cancelled with it."""
+    created = int(time.time())
+    started = False
+    try:
+        while True:
+            kind, value = await job.events.get()
+            if kind == "text" or (kind == "done" and not started):
+                delta = {"role": "assistant", "content": value if kind == "text" else ""} if not started \
+                    else {"content": value}
+                started = True
+                yield sse(chunk(cid, model, created, delta))
+            if kind == "done":
+                last = chunk(cid, model, created, {}, value["finish_reason"])
+                last["h2o_stream"] = value["extra"]
+                yield sse(last)
+                if include_usage:
+                    yield sse({**chunk(cid, model, created, None), "usage": value["usage"]})
+                yield sse("[DONE]")
+                return
+            if kind == "error":
+                yield sse(value.body())
+                return
+    finally:
+        if not job.finished:
+            job.cancel()
+
+
+async def _read_body(request: Request, limits) -> bytes:
+    """The body, if it is within the limit; else 413 (after reading and dropping a moderate excess, so the client
+    gets the answer rather than a reset connection)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limits.max_request_bytes * _DRAIN_FACTOR:
+        raise too_large(limits)
+    body, size = bytearray(), 0
+    async for piece in request.stream():
+        size += len(piece)
+        if size <= limits.max_request_bytes:
+            body += piece
+        elif size > limits.max_request_bytes * _DRAIN_FACTOR:
+            break
+    if size > limits.max_request_bytes:
+        raise too_large(limits)
+    return bytes(body)
+
+
+def _auth_header(error: ApiError) -> dict:
+    return {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
+
+
+def make_server(service: Service, host: str, port: int, *, log_level: str = "info"):
+    """A uvicorn server for `service` and the socket it will serve on (bound now: port 0 picks a free one), and the
+    base URL clients use. `server.run(sockets=[sock])` serves until SIGINT or SIGTERM (or `server.should_exit`)."""
+    import socket
+
+    import uvicorn
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise H2OStreamError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    shown = f"[{host}]" if ":" in host else host
+    config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=5)
+    return uvicorn.Server(config), sock, f"http://{shown}:{sock.getsockname()[1]}/v1"
+
+
+def run(service: Service, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
+    """Serve `service` on host:port until SIGINT or SIGTERM; `on_ready(url)` is called once the socket is bound."""
+    server, sock, url = make_server(service, host, port, log_level=log_level)
+    if on_ready is not None:
+        on_ready(url)
+    server.run(sockets=[sock])

@@ -1,0 +1,149 @@
+"""The chat REPL's session held by a running `h2o-stream serve` (`h2o-stream chat --server URL`): the same
+`send` / `last_turn` / `reset` / `stats` as a ChatSession, over the OpenAI API with only the standard library.
+
+It keeps the conversation's messages (the server needs the history each turn) and names the conversation with an
+`X-Conversation-Id` of its own, so the server continues it in place. A reply stopped with Ctrl-C closes the stream:
+the server drops that turn, and the reply so far is sent back with the next message as part of the history.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from h2o_stream.apps.chat.stats import TurnResult
+from h2o_stream.errors import H2OStreamError, one_line
+from h2o_stream.generation import Sampling
+
+
+@dataclass
+class _Described:
+    text: str
+
+    def describe(self) -> str:
+        return self.text
+
+
+class RemoteSession:
+    """A conversation on the server at `url` (its base URL, e.g. http://127.0.0.1:8000/v1)."""
+
+    def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, system: str | None = None,
+                 sampling: Sampling | None = None, seed: int | None = None, timeout: float = 600):
+        self.url = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
+        self.api_key, self.timeout, self.seed = api_key, timeout, seed
+        self.sampling = sampling or Sampling()
+        self.system = system if system and system.strip() else None
+        self.model = model or self._get("/models")["data"][0]["id"]
+        self.notice = None
+        self.system_warning = None
+        self.reset()
+
+    # what the REPL reads of a session
+    @property
+    def policy(self) -> _Described:
+        return _Described(self.info.get("policy", "the server's cache"))
+
+    @property
+    def budget(self) -> int | None:
+        return self.info.get("cache_budget", 0)
+
+    def reset(self) -> None:
+        """Start a new conversation (the old one stays on the server)."""
+        self.conversation = uuid.uuid4().hex[:20]
+        self.messages = [{"role": "system", "content": self.system}] if self.system else []
+        self.turns, self.generated_tokens, self.info = 0, 0, {}
+        self.last_turn: TurnResult | None = None
+
+    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+        """Send a user message and yield the reply as it streams; the TurnResult is then `last_turn`."""
+        if not isinstance(text, str) or not text.strip():
+            raise H2OStreamError("the message is empty")
+        return self._turn(text, should_stop or (lambda: False))
+
+    def _turn(self, text: str, should_stop) -> Iterator[str]:
+        s = self.sampling
+        body = {"model": self.model, "messages": [*self.messages, {"role": "user", "content": text}],
+                "stream": True, "stream_options": {"include_usage": True}, "temperature": s.temperature,
+                "top_p": s.top_p, "top_k": s.top_k, "repetition_penalty": s.repetition_penalty,
+                "max_tokens": s.max_new_tokens, **({"seed": self.seed} if self.seed is not None else {})}
+        reply, finish, usage = "", None, {}
+        with self._open("/chat/completions", body) as response:
+            for raw in response:
+                if should_stop():
+                    finish = "interrupted"
+                    break
+                line = raw.decode("utf-8", "replace").strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise H2OStreamError(f"the server: {event['error'].get('message')}")
+                for choice in event.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece:
+                        reply += piece
+                        yield piece
+                    finish = choice.get("finish_reason") or finish
+                self.info = event.get("h2o_stream") or self.info
+                usage = event.get("usage") or usage
+        reason = {"stop": "end", "length": "length"}.get(finish, "interrupted")
+        self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
+        self.turns += 1
+        generated = usage.get("completion_tokens", 0)
+        self.generated_tokens += generated
+        self.last_turn = TurnResult(reply, usage.get("prompt_tokens", 0), generated, reason, 0.0, 0.0)
+        return self.last_turn
+
+    def chat(self, text: str, **kwargs) -> TurnResult:
+        for _ in self.send(text, **kwargs):
+            pass
+        return self.last_turn
+
+    def stats(self) -> dict:
+        """What /stats shows, from the server's account of the last turn."""
+        info = self.info
+        return {"turns": self.turns, "tokens_seen": info.get("tokens_seen", 0), "prompt_tokens":
+                info.get("tokens_seen", 0) - self.generated_tokens, "generated_tokens": self.generated_tokens,
+                "cache_slots": info.get("cache_slots", 0), "cache_budget": info.get("cache_budget"),
+                "policy": info.get("policy", "?"), "evicted": 0, "cache_bytes": 0, "last_tokens_per_second": 0.0,
+                "last_prompt_tokens_per_second": 0.0, "tokens_per_second": 0.0, "rss_bytes": 0}
+
+    def save(self, path):
+        raise H2OStreamError("/save is not available with --server: the server keeps the conversation (in its "
+                             "--state-dir)")
+
+    load = save
+
+    # -- HTTP ----------------------------------------------------------------------------------------------------------
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if getattr(self, "conversation", None):
+            headers["X-Conversation-Id"] = self.conversation
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def _get(self, path: str) -> dict:
+        with self._open(path, None) as response:
+            return json.loads(response.read())
+
+    def _open(self, path: str, body: dict | None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data=data, headers=self._headers(),
+                                         method="GET" if body is None else "POST")
+        try:
+            return urllib.request.urlopen(request, timeout=self.timeout)
+        except urllib.error.HTTPError as error:
+            try:
+                message = json.loads(error.read())["error"]["message"]
+            except Exception:  # noqa: BLE001 - not the server's error object: say what HTTP said
+                message = error.reason
+            raise H2OStreamError(f"the server at {self.url} answered {error.code}: {message}") from None
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise H2OStreamError(f"cannot reach a server at {self.url}: {one_line(reason)}") from None
