@@ -179,10 +179,13 @@ def leaderboard_section(res: Results, page: Path) -> list[str]:
         return lines + ["No leaderboard in eval/results yet (`python -m eval leaderboard --data CORPUS`).", ""]
     for folder, board in found:
         tokens = sorted({r["tokens"] for s in board["sizes"].values() for r in s["rows"]})
-        lines += [f"### {model_of(board)}", "", f"{board.get('title', '')}, {', '.join(f'{t:,}' for t in tokens)} "
-                  "predicted tokens per run. PPL (and the difference to sink); best at each cache size in bold.", ""]
+        digests = ", ".join(f"sha256 {d[:12]}…" for d in board.get("about", {}).get("corpus_sha256", []))
+        lines += [f"### {model_of(board)}", "", f"{board.get('title', '')}{f' ({digests})' if digests else ''}, "
+                  f"{', '.join(f'{t:,}' for t in tokens)} predicted tokens per run. PPL (and the difference to sink); "
+                  "best at each cache size in bold.", ""]
         lines += board_table(board) + [verdict(board), ""]
-        lines += table(["cache", "policy", "PPL", "vs sink", "vs h2o", "max keys seen", "chunk", "tok/s", "tokens"],
+        lines += table(["cache", "policy", "PPL", "vs sink", "vs h2o", "max keys seen", "chunk", "tok/s",
+                        "predicted tokens"],
                        [[size, r["policy"], num(r["ppl"], 3), num(r.get("vs_sink"), 3), num(r.get("vs_h2o"), 3),
                          r.get("max_keys_seen", "–"), r.get("chunk_size", "–"), num(r.get("tokens_per_second"), 0),
                          f"{r['tokens']:,}"] for size in sorted(board["sizes"], key=int)

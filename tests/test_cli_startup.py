@@ -35,6 +35,7 @@ def heavy_in(modules: set[str]) -> list[str]:
     (["leaderboard", "--help"], 0, "--report-only"),
     (["chat", "--help"], 0, "--system"),
     (["summarize", "--help"], 0, "--strategy"),
+    (["serve", "--help"], 0, "--state-dir"),
     (["--version"], 0, "version"),
     (["ppl", "--bogus"], 2, "No such option '--bogus'"),
     (["ppl", "--tokens", "many"], 2, "'many' is not a valid integer"),

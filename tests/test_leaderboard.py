@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+import hashlib
 import json
 import math
 import shlex
@@ -51,7 +53,13 @@ def test_leaderboard_ranks_every_policy_at_every_size_against_sink_and_h2o(capsy
             default = {"sink": 256, "tova": 1}.get(row["policy"], int(size) // 16)  # tova, with no window: exact
             assert run["settings"]["chunk_size"] == default
     table = (out / "leaderboard.md").read_text()
-    assert table == stdout and table.count("\n") == 2 + 8
+    assert table == stdout and sum(line.startswith("|") for line in table.splitlines()) == 2 + 8
+    corpus = board_args[board_args.index("--data") + 1]
+    heading = table.split("\n| ")[0]
+    assert f"## Leaderboard: {board_args[1]} on corpus.jsonl (local jsonl)" in heading
+    assert f"sha256 {hashlib.sha256(Path(corpus).read_bytes()).hexdigest()[:12]}…" in heading
+    assert "300 stream tokens per run, of which 299 predicted" in heading and "| predicted tokens |" in table
+    assert f"Runs: 8, finished {datetime.datetime.now(datetime.timezone.utc).date()}" in heading
     assert (out / "ppl_vs_cache.png").stat().st_size > 0 and (out / "windowed_ppl.png").stat().st_size > 0
 
 

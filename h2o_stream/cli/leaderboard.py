@@ -39,8 +39,9 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
     Runs go one cache size at a time (all policies at the first size, then the next), each with its policy's default
     (fair) chunk size, into OUT/runs as `h2o-stream ppl` runs. Running the same command again continues: finished
     runs are kept (their result files are enough, so a fresh clone holding them continues on another machine), an
-    interrupted one resumes from its checkpoint when this machine has it. OUT gets leaderboard.md (PPL, ratio to sink
-    and to h2o at each size, keys seen, tok/s, tokens), leaderboard.json, ppl_vs_cache.png and windowed_ppl.png.
+    interrupted one resumes from its checkpoint when this machine has it. OUT gets leaderboard.md (a heading with the
+    model, the corpus and its sha256, the tokens and the date; then PPL, ratio to sink and to h2o at each size, keys
+    seen, tok/s, predicted tokens), leaderboard.json, ppl_vs_cache.png and windowed_ppl.png.
     """
     out = Path(out_dir)
     runs = out / "runs"

@@ -13,6 +13,7 @@ from h2o_stream.apps.summarize.settings import (DEFAULT_CACHE_SIZE, DEFAULT_CHUN
                                                 DEFAULT_MAX_NEW_TOKENS, DEFAULT_NO_REPEAT_NGRAM_SIZE, DEFAULT_POLICY,
                                                 DEFAULT_REPETITION_PENALTY, DEFAULT_SECTION_MAX_NEW_TOKENS,
                                                 DEFAULT_TEMPERATURE, DEFAULT_TOP_P, STRATEGIES, check_settings)
+from h2o_stream.apps.summarize.text import Unwrap, ends_a_sentence, unwrap
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading.corpus import SAMPLE
 from h2o_stream.files import atomic_path
@@ -93,8 +94,10 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
     def warn(text: str) -> None:
         click.echo(f"warning: {text}", err=True)
 
+    paragraphs = Unwrap()  # the model's line breaks inside a paragraph become spaces
+
     def text(piece: str) -> None:
-        click.echo(piece, nl=False)
+        click.echo(paragraphs.push(piece), nl=False)
         sys.stdout.flush()
 
     if not quiet:
@@ -109,11 +112,15 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
         on_section=section if strategy == "hierarchical" else None, on_warning=warn, **parts)
     if bar is not None:
         bar.close()
-    click.echo()
+    click.echo(paragraphs.finish())
+    summary = unwrap(result.text)
+    if result.stop_reason == "length" and not ends_a_sentence(summary):
+        click.echo(f"note: the summary stopped at --max-new-tokens {max_new_tokens}, in the middle of a sentence; "
+                   "a larger --max-new-tokens lets it finish", err=True)
     if target is not None:
         try:
             with atomic_path(target) as partial:
-                partial.write_text(result.text + "\n", encoding="utf-8")
+                partial.write_text(summary + "\n", encoding="utf-8")
         except OSError as error:
             raise H2OStreamError(f"cannot write {out}: {error.strerror or error}") from None
     if not quiet:

@@ -12,6 +12,8 @@ of the stream, one panel per cache size).
 
 from __future__ import annotations
 
+import collections
+import datetime
 import math
 import os
 import statistics
@@ -41,7 +43,56 @@ def leaderboard(results: list[dict]) -> dict:
         board[size] = {"rows": rows, "winner": rows[0]["policy"]}
     # a policy without a budget (full: no eviction) is the reference every size is measured against, not a contestant
     reference = [_row(r, {}) for r in results if cache_size(r) is None]
-    return {"title": title_of(results), "sizes": board, "reference": reference}
+    return {"title": title_of(results), "about": about(results), "sizes": board, "reference": reference}
+
+
+def about(results: list[dict], today: datetime.date | None = None) -> dict:
+    """What the runs were: model, corpus (name, size, sha256), stream tokens asked for and predicted, when they
+    finished; each field lists its distinct values (one, when the runs agree). `commands`: each command and how many
+    runs it made, most first. `drawn`: the date the board is drawn (`today`), shown when no run records when it
+    finished."""
+    def each(get, kind: type = str) -> list:
+        # a field of a run file that is not of its kind (a damaged or hand-made file) is left out, never fatal
+        found = (get(r) for r in results)
+        return list(dict.fromkeys(v for v in found if isinstance(v, kind) and not isinstance(v, bool)))
+    finished = sorted(each(lambda r: r.get("finished")))
+    commands = collections.Counter(c for r in results if isinstance(c := r.get("command"), str))
+    return {"runs": len(results), "model": each(lambda r: r["settings"].get("model")),
+            "corpus": each(lambda r: r["settings"].get("data")),
+            "corpus_sha256": each(lambda r: r["settings"].get("data_sha256")),
+            "corpus_bytes": each(lambda r: r["settings"].get("data_bytes"), int),
+            "requested_tokens": each(lambda r: r.get("requested_tokens"), int),
+            "predicted_tokens": each(lambda r: r.get("predicted_tokens"), int),
+            "finished": [finished[0][:10], finished[-1][:10]] if finished else None,
+            "undated_runs": sum(not isinstance(r.get("finished"), str) for r in results),
+            "commands": dict(commands.most_common()),
+            "drawn": (today or datetime.date.today()).isoformat()}
+
+
+def heading(about: dict) -> list[str]:
+    """The Markdown lines above the table: model, corpus with its sha256, tokens, date and command."""
+    def listed(values, show=str) -> str:
+        return "; ".join(show(v) for v in values) or "not recorded"
+    corpus = listed(about["corpus"])
+    identity = [*(f"sha256 {digest[:12]}…" for digest in about["corpus_sha256"]),
+                *(f"{size:,} bytes" for size in about["corpus_bytes"])]
+    finished = about["finished"]
+    if finished:
+        when = "finished " + (finished[0] if finished[0] == finished[1] else f"{finished[0]} to {finished[1]}")
+        when += f" ({about['undated_runs']} run files record no date)" if about["undated_runs"] else ""
+    else:
+        when = f"drawn {about['drawn']} (the run files record no dates)"
+    commands = list(about["commands"])
+    command = ([f"- Command: `{commands[0]}`"] if len(commands) == 1 else
+               [f"- Command of most runs: `{commands[0]}` ({about['commands'][commands[0]]} of {about['runs']}; each run "
+                "file records its own)"] if commands else [])
+    return [f"## Leaderboard: {listed(about['model'])} on {corpus}", "",
+            f"- Model: {listed(about['model'])}",
+            f"- Corpus: {', '.join([corpus, *identity])}",
+            f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
+            f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
+            "book's with --reset-per-book, has nothing before it to be predicted from)",
+            f"- Runs: {about['runs']}, {when}", *command, ""]
 
 
 def _row(result: dict, baselines: dict[str, dict]) -> dict:
@@ -57,10 +108,11 @@ def _row(result: dict, baselines: dict[str, dict]) -> dict:
 
 
 def markdown(board: dict) -> str:
-    """The leaderboard as a Markdown table, one block of rows per cache size, best first; the reference (full
-    cache) last."""
-    lines = ["| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | tokens |",
-             "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """The leaderboard as Markdown: a heading saying what was run (`heading`), then a table with one block of rows
+    per cache size, best first, and the reference (full cache) last."""
+    lines = heading(board["about"]) if "about" in board else []
+    lines += ["| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | predicted tokens |",
+              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
     blocks = [(str(size), entry["rows"]) for size, entry in board["sizes"].items()]
     for size, rows in [*blocks, ("all", board.get("reference", []))]:
         for row in rows:

@@ -15,6 +15,7 @@ result files, the corpus against its checkpoint: `binding`), so a bad one fails 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import errno
 import platform
 from collections.abc import Callable, Iterable
@@ -322,6 +323,7 @@ def result_record(run: PerplexityRun, requested_tokens: int, command: str, corpu
     result["data_path"] = corpus_path
     result["versions"] = versions()
     result["command"] = portable_command(command)
+    result["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     return result
 
 
