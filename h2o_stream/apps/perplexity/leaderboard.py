@@ -89,7 +89,7 @@ def heading(about: dict) -> list[str]:
             f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
             f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
             "book's with --reset-per-book, has nothing before it to be predicted from)",
-            f"- Runs: {about['runs']}, {when} (each run file records its command)", ""]
+            f"- Runs: {about['runs']}, {when}", ""]
 
 
 def _row(result: dict, baselines: dict[str, dict]) -> dict:
