@@ -70,7 +70,8 @@ def about(results: list[dict], today: datetime.date | None = None) -> dict:
 
 
 def heading(about: dict) -> list[str]:
-    """The Markdown lines above the table: model, corpus with its sha256, tokens, date and command."""
+    """The Markdown lines above the table: model, corpus with its sha256, tokens and date. Not the commands: they
+    name the corpus by its path on the machine that ran them (leaderboard.json and the run files keep them)."""
     def listed(values, show=str) -> str:
         return "; ".join(show(v) for v in values) or "not recorded"
     corpus = listed(about["corpus"])
@@ -82,17 +83,13 @@ def heading(about: dict) -> list[str]:
         when += f" ({about['undated_runs']} run files record no date)" if about["undated_runs"] else ""
     else:
         when = f"drawn {about['drawn']} (the run files record no dates)"
-    commands = list(about["commands"])
-    command = ([f"- Command: `{commands[0]}`"] if len(commands) == 1 else
-               [f"- Command of most runs: `{commands[0]}` ({about['commands'][commands[0]]} of {about['runs']}; each run "
-                "file records its own)"] if commands else [])
     return [f"## Leaderboard: {listed(about['model'])} on {corpus}", "",
             f"- Model: {listed(about['model'])}",
             f"- Corpus: {', '.join([corpus, *identity])}",
             f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
             f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
             "book's with --reset-per-book, has nothing before it to be predicted from)",
-            f"- Runs: {about['runs']}, {when}", *command, ""]
+            f"- Runs: {about['runs']}, {when}", ""]
 
 
 def _row(result: dict, baselines: dict[str, dict]) -> dict:
