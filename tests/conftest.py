@@ -44,6 +44,22 @@ DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four
                           "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
 
 
+def pytest_addoption(parser):
+    parser.addoption("--gemma", action="store_true",
+                     help="also run the checks on the real Gemma 3 270M (fetched once; about half an hour on 2 cores)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """The `gemma` tests only with --gemma: half an hour on 2 cores, where the rest of the suite takes a quarter;
+    `python -m eval quality equivalence` commits the same measurement."""
+    if config.getoption("--gemma"):
+        return
+    skip = pytest.mark.skip(reason="the real Gemma 3 270M: run with --gemma")
+    for item in items:
+        if item.get_closest_marker("gemma"):
+            item.add_marker(skip)
+
+
 def pytest_unconfigure(config):
     shutil.rmtree(TEST_SETTINGS["HF_HOME"], ignore_errors=True)
 

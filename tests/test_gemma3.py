@@ -12,7 +12,7 @@ from eval.common import corpus_tokens
 from eval.perplexity import EQUIVALENCE_TARGET, equivalence_measures
 from h2o_stream.loading.models import load_model
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.gemma]  # only with --gemma (see conftest.py)
 
 
 def test_gemma3_streams_equal_to_its_own_forward_and_chunked_sinks_equal_exact_sinks():
