@@ -192,7 +192,8 @@ def leaderboard_section(res: Results, page: Path) -> list[str]:
                         for r in board["sizes"][size]["rows"]], {0, 2, 3, 4, 5, 6, 7, 8})
         lines += [source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard", extra=" (the runs' "
                          "commands below)"), ""]
-        lines += run_provenance([res.get(n) for n in res.names(f"{folder}/runs/*.json")])
+        lines += run_provenance([res.get(n) for n in res.names(f"{folder}/runs/*.json")
+                                 if not n.endswith("/summary.json")])  # the sweep's own report beside its runs
         for png, alt in (("ppl_vs_cache.png", "PPL against cache size"), ("windowed_ppl.png", "windowed PPL")):
             lines += res.figure(f"{folder}/{png}", page, f"{model_of(board)}: {alt}")
     if len(found) > 1:

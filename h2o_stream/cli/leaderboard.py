@@ -12,7 +12,7 @@ from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leader
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
 from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
-                      ray_option, rows_option, workers_option)
+                      ray_option, rows_option, sliding_option, workers_option)
 from .ppl import run_sweep
 
 #: every registered policy with a bounded cache (full has no cache size to compare at)
@@ -31,9 +31,10 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts)
 @workers_option
 @rows_option
 @ray_option
+@sliding_option
 @click.option("--report-only", is_flag=True, help="Redraw the table and plots from the finished runs; run nothing.")
 def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, tokens, data, out_dir,
-                checkpoint_every, workers, rows, ray_address, report_only):
+                checkpoint_every, workers, rows, ray_address, sliding, report_only):
     """Rank eviction policies: perplexity of every --policy at every --cache-size over the same stream.
 
     Runs go one cache size at a time (all policies at the first size, then the next), each with its policy's default
@@ -61,7 +62,7 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
         def specs(tokenizer=None):  # all policies at the first size, then the next
             return [spec for size in cache_size for spec in run_specs(policy, [size], parts, tokenizer=tokenizer)]
         sweep = Sweep(specs(), runs, data, tokens, rolling=not no_rolling, checkpoint_every=checkpoint_every,
-                      resume=True, command=shlex.join(argv), rows=rows)
+                      resume=True, command=shlex.join(argv), rows=rows, sliding=sliding)
         run_sweep(sweep, specs, argv, workers=workers, ray_address=ray_address, resumes_as_given=True,
                   spec=model_spec, dtype=dtype, device=device, threads=threads)
     board = write_leaderboard(runs, out)

@@ -8,6 +8,7 @@ import sys
 
 import click
 
+from h2o_stream.engine.layer_types import SLIDING_MODES
 from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts, policy_class
 from h2o_stream.errors import H2OStreamError
 
@@ -64,6 +65,13 @@ rows_option = click.option(
          "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
          "on a GPU; on a CPU see eval/results/speed/rows.json.")
 
+sliding_option = click.option(
+    "--sliding-layers", "sliding", type=click.Choice(SLIDING_MODES), default=SLIDING_MODES[0], show_default=True,
+    help="For models with sliding-window layers (Gemma 2 and 3, Mistral or Qwen2 with a sliding window, Cohere2, "
+         "GPT-OSS): 'window' keeps each such layer its trained window (the keys the model gives it without a cache) "
+         "and runs the policy on the global layers; 'policy' runs the policy on every layer, never wider than its "
+         "window. No effect on other models.")
+
 ray_option = click.option(
     "--ray", "ray_address", default=None, metavar="ADDRESS",
     help="Run each run as a task on a Ray cluster instead (auto, ray://HOST:PORT, or local to start one here; needs "
@@ -77,7 +85,7 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
 
     The command receives `policy` (a name; with `multiple`, a list of names), `cache_size` (an int; with `multiple`, a
     list), `parts` (the parts and settings given on the command line, e.g. {'heavy': 64, 'alpha': 0.9}; pass them on
-    as `**parts`) and `no_rolling`. The part and setting options are the union of every registered policy's
+    as `**parts`; with `multiple`, a part's value is a list of slot counts, a sweep) and `no_rolling`. The part and setting options are the union of every registered policy's
     declarations, with their help; a setting whose default is a bool is a flag (--per-head).
     """
     several = " (comma-separated for several)" if multiple else ""
@@ -99,8 +107,7 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
             click.option("--cache-size", default=str(default_size), show_default=True,
                          callback=_parse_sizes if multiple else _parse_size,
                          help=f"KV entries kept per layer and KV head{several}."),
-            *(click.option(f"--{name}", name, type=int, default=None, metavar="SLOTS", help=_part_help(policies))
-              for name, policies in declared.items()),
+            *(_part_option(name, policies, multiple) for name, policies in declared.items()),
             *(_setting_option(name, policies) for name, policies in settings.items()),
             click.option("--no-rolling", is_flag=True,
                          help="Keep true stream positions instead of rolling keys to their cache slot."),
@@ -141,6 +148,18 @@ def _part_help(policies) -> str:
         described.setdefault((part.help, part.default_text), []).append(policy)
     return "; ".join(f"{', '.join(names)}: {text} (default: {default})"
                      for (text, default), names in described.items()) + "."
+
+
+def _part_option(name: str, policies, multiple: bool):
+    """The option for a budget part: a number of slots; with `multiple`, a comma-separated list of them, which sweeps
+    the part (one run per value, named e.g. h2o-256-heavy=16)."""
+    if not multiple:
+        return click.option(f"--{name}", name, type=int, default=None, metavar="SLOTS", help=_part_help(policies))
+
+    def parse(ctx, param, value):
+        return None if value is None else _once_each(parse_list(value, int, f"--{name}", "whole numbers"), f"--{name}")
+    return click.option(f"--{name}", name, default=None, metavar="SLOTS[,SLOTS...]", callback=parse,
+                        help=_part_help(policies) + " Several values sweep the part: one run for each.")
 
 
 def _flag(name: str) -> str:

@@ -14,7 +14,7 @@ from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.errors import H2OStreamError
 from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
-                      ray_option, rows_option, workers_option)
+                      ray_option, rows_option, sliding_option, workers_option)
 
 if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     from h2o_stream.apps.perplexity.sweep import Sweep
@@ -52,9 +52,10 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
 @workers_option
 @rows_option
 @ray_option
+@sliding_option
 def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, span, wide_chunks,
         tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers,
-        rows, ray_address):
+        rows, ray_address, sliding):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -79,7 +80,7 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size, span=span,
                   rolling=not no_rolling, wide_chunks=wide_chunks, reset_per_book=reset_per_book,
                   skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
-                  command=shlex.join(argv), rows=rows)
+                  command=shlex.join(argv), rows=rows, sliding=sliding)
     results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
                         workers=workers, ray_address=ray_address, spec=model_spec, dtype=dtype, device=device,
                         threads=threads)

@@ -20,8 +20,8 @@ import statistics
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
-from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_in, save_figure, title_figure,
-                     title_of)
+from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_in, run_label, save_figure,
+                     title_figure, title_of)
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
@@ -38,7 +38,8 @@ def leaderboard(results: list[dict]) -> dict:
             sizes.setdefault(size, []).append(result)
     board = {}
     for size, runs in sorted(sizes.items()):
-        baselines = {r["settings"]["policy"]: r for r in runs if r["settings"]["policy"] in BASELINES}
+        # the baselines at their own split, never a run of a sweep over one of their parts
+        baselines = {run_label(r): r for r in runs if run_label(r) in BASELINES}
         rows = [_row(r, baselines) for r in sorted(runs, key=lambda r: r["ppl"])]
         board[size] = {"rows": rows, "winner": rows[0]["policy"]}
     # a policy without a budget (full: no eviction) is the reference every size is measured against, not a contestant
@@ -93,7 +94,7 @@ def heading(about: dict) -> list[str]:
 
 
 def _row(result: dict, baselines: dict[str, dict]) -> dict:
-    row = {"policy": result["settings"]["policy"], "ppl": result["ppl"], "tokens": result["predicted_tokens"],
+    row = {"policy": run_label(result), "ppl": result["ppl"], "tokens": result["predicted_tokens"],
            "max_keys_seen": result.get("max_keys_seen"), "tokens_per_second": result["tokens_per_second"],
            "chunk_size": result["settings"]["chunk_size"], "wide_chunks": result["settings"].get("wide_chunks", True),
            "span": result.get("span")}
@@ -163,7 +164,8 @@ def _windows_text(ends: list[int]) -> str:
 
 
 def _styles(results: list[dict]) -> dict[str, str]:
-    policies = sorted({r["settings"]["policy"] for r in results})
+    """A line style for each run label (policy, or policy and swept part): ten colours per style."""
+    policies = sorted({run_label(r) for r in results})
     return {p: LINE_STYLES[i // 10 % len(LINE_STYLES)] for i, p in enumerate(policies)}
 
 
@@ -176,13 +178,13 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
     sizes = sorted({cache_size(r) for r in results})
     if len(sizes) == 1:
         runs = sorted(results, key=lambda r: r["ppl"])
-        bars = ax.bar([r["settings"]["policy"] for r in runs], [r["ppl"] for r in runs], color="#4c72b0")
+        bars = ax.bar([run_label(r) for r in runs], [r["ppl"] for r in runs], color="#4c72b0")
         ax.bar_label(bars, fmt="%.2f", fontsize=8)
         ax.set_ylim(0, max(r["ppl"] for r in runs) * 1.12)
         ax.set_xlabel(f"policy, at cache size {sizes[0]} (entries per layer and KV head)")
     else:
         for policy, style in _styles(results).items():
-            runs = sorted((cache_size(r), r["ppl"]) for r in results if r["settings"]["policy"] == policy)
+            runs = sorted((cache_size(r), r["ppl"]) for r in results if run_label(r) == policy)
             ax.plot([s for s, _ in runs], [p for _, p in runs], style, marker="o", label=policy)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
@@ -207,10 +209,10 @@ def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     for ax, size in zip(axes[0], sizes):
         ends = set()
         # each panel: that size's runs, and the reference (no eviction) in every panel
-        for r in sorted((r for r in results if cache_size(r) in (size, None)), key=lambda r: r["settings"]["policy"]):
+        for r in sorted((r for r in results if cache_size(r) in (size, None)), key=run_label):
             points = windowed(r["curve"])
             ends.update(n for n, _ in points)
-            policy = r["settings"]["policy"]
+            policy = run_label(r)
             ax.plot([n for n, _ in points], [p for _, p in points], styles[policy], label=policy)
         ax.set_title(f"cache {size}{_windows_text(sorted(ends))}", fontsize=9)
         ax.set_xlabel("tokens")

@@ -39,9 +39,18 @@ def results_in(directory: str | os.PathLike) -> list[dict]:
 
 
 def run_name(result: dict) -> str:
-    """The run's name as `h2o-stream ppl` gives it, e.g. 'h2o-256' ('full' for a policy without parts)."""
+    """The run's name as `h2o-stream ppl` gives it, e.g. 'h2o-256' ('full' for a policy without parts), or
+    'h2o-256-heavy=16' for a run of a part sweep (recorded in the result as `run`)."""
     size = cache_size(result)
-    return result["settings"]["policy"] + (f"-{size}" if size is not None else "")
+    return result.get("run") or result["settings"]["policy"] + (f"-{size}" if size is not None else "")
+
+
+def run_label(result: dict) -> str:
+    """What a report calls the run beside its cache size: the policy, and a swept part's value when the run is one
+    of a sweep ('h2o heavy=16')."""
+    policy, size = result["settings"]["policy"], cache_size(result)
+    swept = run_name(result).removeprefix(policy + (f"-{size}" if size is not None else ""))
+    return " ".join([policy, *swept.split("-")[1:]])
 
 
 def stream_difference(settings: dict, other: dict) -> str | None:
@@ -90,7 +99,7 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
             continue
         policy = result["settings"]["policy"]
         ax.plot([c[0] for c in curve], [c[1] for c in curve], LINE_STYLES[policies.index(policy) % len(LINE_STYLES)],
-                label=f"{policy} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})")
+                label=f"{run_label(result)} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})")
     ax.set_xlabel("tokens")
     ax.set_ylabel("running perplexity")
     title_figure(fig, title)

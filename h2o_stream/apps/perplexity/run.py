@@ -71,7 +71,8 @@ class PerplexityRun:
 
     def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int | None = None, rolling: bool = True,
                  curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None,
-                 record_tokens: bool = False, wide_chunks: bool = False, span: int | None = None):
+                 record_tokens: bool = False, wide_chunks: bool = False, span: int | None = None,
+                 sliding: str = "window"):
         chunk_size, span = forward_span(policy, chunk_size, span)
         if chunk_size < 1:
             raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
@@ -88,7 +89,7 @@ class PerplexityRun:
         # A span of several chunks is one forward that still decides every chunk (a scan, see engine/cache.py): the
         # same results as one forward per chunk, with the model's matrix products over the whole span.
         self.cache = StreamingCache(model, policy, rolling=rolling, wide_chunks=wide_chunks,
-                                    decide_every=chunk_size if span > chunk_size else None)
+                                    decide_every=chunk_size if span > chunk_size else None, sliding=sliding)
         self.cache.check_chunk_size(chunk_size)  # up front: the engine would refuse the second chunk otherwise
         context = self.cache.context
         width = span if self.cache.decide_every is None else chunk_size  # the most tokens one decision takes in
@@ -97,6 +98,8 @@ class PerplexityRun:
                                  f"of {context} positions; use a smaller chunk or cache")
         self.settings = {**(settings or {}), **policy.settings(), "chunk_size": chunk_size, "rolling": rolling,
                          "reset_per_book": reset_per_book, "wide_chunks": wide_chunks}
+        if sliding != "window":  # recorded when not the default, so results made before the choice existed still match
+            self.settings["sliding_layers"] = sliding
         self.position = 0  # stream tokens fed so far
         self.book = -1  # index of the book the last fed token belongs to
         self.book_start = 0  # stream position where chunking restarts (moves per book with reset_per_book)
@@ -355,15 +358,18 @@ def default_span(chunk_size: int) -> int:
 def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
                       cache_size: int | None = 256, chunk_size: int | None = None, rolling: bool = True,
                       reset_per_book: bool = False, max_tokens: int | None = None, curve_every: int = 1000,
-                      wide_chunks: bool = False, span: int | None = None, **parts: int | None) -> PerplexityResult:
+                      wide_chunks: bool = False, span: int | None = None, sliding: str = "window",
+                      **parts: int | None) -> PerplexityResult:
     """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache.
 
     `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them. `chunk_size` None is
     the policy's default (`default_chunk_size`); chunks are fair (no query sees more than budget + 1 keys) unless
-    `wide_chunks`. `span` (tokens per forward, a multiple of the chunk size; `default_span`) changes speed only."""
+    `wide_chunks`. `span` (tokens per forward, a multiple of the chunk size; `default_span`) changes speed only.
+    `sliding` is what a model's sliding-window layers keep: "window" (their trained window) or "policy"
+    (engine/layer_types.py)."""
     if not isinstance(policy, EvictionPolicy):
         policy = make_policy(policy, cache_size, **parts)
     run = PerplexityRun(model, policy, chunk_size=chunk_size, rolling=rolling, curve_every=curve_every,
-                        reset_per_book=reset_per_book, wide_chunks=wide_chunks, span=span)
+                        reset_per_book=reset_per_book, wide_chunks=wide_chunks, span=span, sliding=sliding)
     run.run(token_pieces(tokens_or_texts, tokenizer), limit=max_tokens)
     return run.result()

@@ -88,6 +88,8 @@ class Result(BaseModel):
     curve: list[tuple[Positive, Annotated[float, Field(ge=1)]]]
     stream_sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
     max_keys_seen: Count | None = None
+    #: the run's name, when it is not policy-size (a run of a part sweep: 'h2o-256-heavy=16')
+    run: str | None = Field(None, pattern=r"^[A-Za-z0-9_]+(-[A-Za-z0-9_=]+)*$", max_length=200)
     span: Positive | None = None
 
     @field_validator("nll_sum", "mean_nll", "ppl", "seconds", "tokens_per_second")

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import errno
+import itertools
 import platform
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -43,7 +44,8 @@ REPORTS = ("ppl.png", "summary.json")
 def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None,
               ) -> list[tuple[str, EvictionPolicy]]:
     """(run name, policy) for every policy × cache size, e.g. ('h2o-256', ...); a policy without budget parts (full)
-    runs once, named by itself. Each policy gets those of `parts` (budget parts and settings, e.g. {'alpha': 0.9}) it
+    runs once, named by itself. A part given as a list of several slot counts is swept: one run per value and
+    size, named by it too (e.g. 'h2o-256-heavy=16'), which the reports show as 'h2o heavy=16'. Each policy gets those of `parts` (budget parts and settings, e.g. {'alpha': 0.9}) it
     declares; the others fill in its defaults. A part or setting that none of the policies takes is an error (it would
     be silently ignored).
 
@@ -63,11 +65,19 @@ def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None
         if policy_class(name).needs_tokenizer and tokenizer is None:
             continue
         given = {k: v for k, v in parts.items() if v is not None and k in takes[name]}
+        # a part given as a list of several values is swept (one run each); a list of one is that value
+        fixed = {k: (v[0] if isinstance(v, list) else v) for k, v in given.items()
+                 if not isinstance(v, list) or len(v) == 1}
+        swept = {k: v for k, v in given.items() if isinstance(v, list) and len(v) > 1}
         if not policy_class(name).part_names():
-            specs.append((name, make_policy(name, tokenizer=tokenizer, **given)))
+            specs.append((name, make_policy(name, tokenizer=tokenizer, **fixed)))
             continue
         for size in dict.fromkeys(sizes):
-            specs.append((f"{name}-{size}", make_policy(name, size, tokenizer=tokenizer, **given)))
+            for values in itertools.product(*swept.values()):
+                choice = dict(zip(swept, values))
+                suffix = "".join(f"-{part}={value}" for part, value in choice.items())
+                specs.append((f"{name}-{size}{suffix}", make_policy(name, size, tokenizer=tokenizer, **fixed,
+                                                                     **choice)))
     return specs
 
 
@@ -94,6 +104,7 @@ class Sweep:
     curve_every: int = 1000
     resume: bool = False
     command: str = ""  # recorded in every result
+    sliding: str = "window"  # what sliding-window layers keep (engine/layer_types.py)
     rows: int = 1  # runs per model forward: runs that share a span and stream position ride as rows of one batch
 
     def check_runs(self, model, tokenizer, model_name: str):
@@ -109,7 +120,7 @@ class Sweep:
         def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
             return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
                                  curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
-                                 wide_chunks=self.wide_chunks, span=self.span)
+                                 wide_chunks=self.wide_chunks, span=self.span, sliding=self.sliding)
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
         # the reports cover every result in `out`: one made on another stream or model would be ranked beside these
@@ -215,6 +226,7 @@ class Sweep:
             raise H2OStreamError(f"{name} had nothing to predict")
         result = result_record(run, self.tokens, self.command, data_path(self.data))
         result["rows"] = rows
+        result["run"] = name  # a swept part's value is in the name only (report.run_label)
         if result["corpus_exhausted"]:
             note(f"   {name}: the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
         write(Path(self.out) / f"{name}.json", lambda path: write_json(path, result))
