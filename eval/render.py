@@ -13,7 +13,7 @@ from pathlib import Path
 import click
 
 from eval.results_page import (PAGE, RenderError, Results, board_table, boards, decode_files, long_table, model_of,
-                               num, pct, results_page, source, table, unexpected, verdict)
+                               num, pct, ranking_holds, results_page, source, table, unexpected, verdict)
 
 README = Path("README.md")
 MARKER = re.compile(r"^<!-- (/?)render:([\w-]+) -->[ \t]*\r?$", re.MULTILINE)
@@ -50,6 +50,21 @@ def leaderboard(res: Results) -> list[str]:
     return [f"Perplexity of every policy at cache 128, 256 and 512 ({board.get('title')}; the difference to sinks in "
             "brackets, the best at each size in bold):", "", *board_table(board), f"**Verdict:** {verdict(board)}", "",
             source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard")]
+
+
+def models(res: Results) -> list[str]:
+    """Every other model's leaderboard (PPL and % to sink) and, in words, whether the first model's ranking holds on
+    it, size by size."""
+    found = boards(res)
+    if len(found) < 2:
+        return missing("leaderboard_*/leaderboard.json", "h2o-stream leaderboard --model MODEL --data CORPUS")
+    lines = []
+    for folder, board in found[1:]:
+        tokens = sorted({r["tokens"] for s in board["sizes"].values() for r in s["rows"]})
+        lines += [f"On {model_of(board)}, {', '.join(f'{t:,}' for t in tokens)} predicted tokens per run:", "",
+                  *board_table(board), f"**Does the ranking hold?** {ranking_holds(found[0][1], board)}", "",
+                  source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard"), ""]
+    return lines[:-1]
 
 
 def long(res: Results) -> list[str]:
@@ -111,7 +126,7 @@ def first_run(res: Results) -> list[str]:
             source(res, name, extra=f"; {model_of({'title': runs[0]['settings'].get('model', '')})}")]
 
 
-BLOCKS = {"headline": headline, "leaderboard": leaderboard, "long": long, "speed": speed, "first_run": first_run}
+BLOCKS = {"headline": headline, "leaderboard": leaderboard, "models": models, "long": long, "speed": speed, "first_run": first_run}
 
 
 def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:

@@ -106,6 +106,12 @@ def source(res: Results, name: str, command: str | None = None, extra: str = "")
     return text + extra + "."
 
 
+def ratio(row: dict, baseline: str) -> str:
+    """A leaderboard row's ratio to a baseline with its 95% bootstrap interval when the board has one."""
+    interval = row.get(f"vs_{baseline}_interval")
+    return num(row.get(f"vs_{baseline}"), 3) + (f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else "")
+
+
 def run_provenance(runs: list[dict]) -> list[str]:
     """The distinct commands and versions recorded in `h2o-stream ppl` run files."""
     commands = sorted({scrub_command(r["command"]) for r in runs if r.get("command")})
@@ -172,6 +178,29 @@ def verdict(board: dict) -> str:
                      for size, winner, second, gap in places) + "."
 
 
+def ranking_holds(first: dict, other: dict) -> str:
+    """In words, size by size: does `other`'s board rank the policies as `first`'s does (the same winner, the same
+    runner-up and its gap, the share of policy pairs in the same order), and which sizes only one board has."""
+    (sizes_a, grid_a), (sizes_b, grid_b) = board_grid(first), board_grid(other)
+    name_a, name_b = (model_of(b).split(" (")[0] for b in (first, other))
+    said = []
+    for size in [s for s in sizes_a if s in sizes_b]:
+        rows_a = sorted(first["sizes"][size]["rows"], key=lambda r: r["ppl"])
+        rows_b = sorted(other["sizes"][size]["rows"], key=lambda r: r["ppl"])
+        common = [p for p in grid_a if size in grid_a[p] and size in grid_b.get(p, {})]
+        pairs = [(p, q) for i, p in enumerate(common) for q in common[i + 1:]]
+        agree = sum((grid_a[p][size]["ppl"] < grid_a[q][size]["ppl"]) == (grid_b[p][size]["ppl"] < grid_b[q][size]["ppl"])
+                    for p, q in pairs)
+        win_a, win_b = rows_a[0]["policy"], rows_b[0]["policy"]
+        gap = lambda rows: f"{rows[1]['policy']} +{(rows[1]['ppl'] / rows[0]['ppl'] - 1) * 100:.1f}%"  # noqa: E731
+        winner = (f"{win_a} is best on both" if win_a == win_b else f"{win_a} is best on {name_a}, {win_b} on {name_b}")
+        said.append(f"at cache {size}, {winner} (next: {gap(rows_a)} on {name_a}, {gap(rows_b)} on {name_b}); "
+                    f"{agree} of {len(pairs)} policy pairs are in the same order")
+    only = [s for s in sizes_a if s not in sizes_b]
+    text = ("; ".join(said) + ".") if said else f"{name_b} shares no cache size with {name_a} yet."
+    return text[0].upper() + text[1:] + (f" Not yet run on {name_b}: cache {', '.join(only)}." if only else "")
+
+
 def leaderboard_section(res: Results, page: Path) -> list[str]:
     lines = ["## Leaderboard", ""]
     found = boards(res)
@@ -182,11 +211,12 @@ def leaderboard_section(res: Results, page: Path) -> list[str]:
         digests = ", ".join(f"sha256 {d[:12]}…" for d in board.get("about", {}).get("corpus_sha256", []))
         lines += [f"### {model_of(board)}", "", f"{board.get('title', '')}{f' ({digests})' if digests else ''}, "
                   f"{', '.join(f'{t:,}' for t in tokens)} predicted tokens per run. PPL (and the difference to sink); "
-                  "best at each cache size in bold.", ""]
+                  "best at each cache size in bold. In the second table each ratio has its 95% bootstrap interval "
+                  "over windows of 10,000 tokens (both runs over the same draw).", ""]
         lines += board_table(board) + [verdict(board), ""]
         lines += table(["cache", "policy", "PPL", "vs sink", "vs h2o", "max keys seen", "chunk", "tok/s",
                         "predicted tokens"],
-                       [[size, r["policy"], num(r["ppl"], 3), num(r.get("vs_sink"), 3), num(r.get("vs_h2o"), 3),
+                       [[size, r["policy"], num(r["ppl"], 3), ratio(r, "sink"), ratio(r, "h2o"),
                          r.get("max_keys_seen", "–"), r.get("chunk_size", "–"), num(r.get("tokens_per_second"), 0),
                          f"{r['tokens']:,}"] for size in sorted(board["sizes"], key=int)
                         for r in board["sizes"][size]["rows"]], {0, 2, 3, 4, 5, 6, 7, 8})
@@ -197,7 +227,7 @@ def leaderboard_section(res: Results, page: Path) -> list[str]:
         for png, alt in (("ppl_vs_cache.png", "PPL against cache size"), ("windowed_ppl.png", "windowed PPL")):
             lines += res.figure(f"{folder}/{png}", page, f"{model_of(board)}: {alt}")
     if len(found) > 1:
-        lines += ["### Side by side", ""]
+        lines += ["### Side by side", "", *(ranking_holds(found[0][1], board) + "\n" for _, board in found[1:])]
         grids = [(model_of(b), *board_grid(b)) for _, b in found]
         policies = list(dict.fromkeys(p for _, _, grid in grids for p in grid))
         header = ["policy", *(f"{m}, {s}" for m, sizes, _ in grids for s in sizes)]

@@ -165,3 +165,28 @@ def test_windowed_ppl_is_the_ppl_of_each_window_of_the_running_curve():
     points = windowed(curve, windows=2)
     assert [n for n, _ in points] == [100, 200]
     assert points[0][1] == pytest.approx(math.e) and points[1][1] == pytest.approx(math.e ** 3)
+
+
+def _curve(per_token_nll: list[float], every: int = 1000) -> list[tuple[int, float]]:
+    """A running-PPL curve with a point every `every` predicted tokens, from per-window mean NLLs."""
+    points, total = [], 0.0
+    for i, nll in enumerate(per_token_nll, start=1):
+        total += nll * every
+        points.append((i * every, math.exp(total / (i * every))))
+    return points
+
+
+def test_a_ratio_interval_is_tight_for_a_steady_gap_wide_for_a_noisy_one_and_absent_on_a_short_stream():
+    from h2o_stream.apps.perplexity.leaderboard import ratio_interval
+
+    base_nll = [3.0 + 0.3 * ((i * 7) % 5) for i in range(100)]  # 100k tokens, windows of 1k that vary
+    base = {"curve": _curve(base_nll)}
+    same = ratio_interval({"curve": _curve(base_nll)}, base)
+    assert same == pytest.approx([1.0, 1.0])
+    steady = ratio_interval({"curve": _curve([n + 0.1 for n in base_nll])}, base)  # exp(0.1) worse everywhere
+    assert steady == pytest.approx([math.exp(0.1)] * 2, rel=1e-9)
+    noisy = ratio_interval({"curve": _curve([n + (0.5 if i % 20 < 10 else -0.3) for i, n in enumerate(base_nll)])},
+                           base)
+    assert noisy[0] < math.exp(0.1) < noisy[1] and noisy[1] - noisy[0] > 0.05
+    assert ratio_interval({"curve": _curve(base_nll[:40])}, {"curve": _curve(base_nll[:40])}) is None  # 4 windows
+    assert ratio_interval({"curve": _curve(base_nll)}, base) == same  # seeded: the same runs, the same interval

@@ -4,7 +4,7 @@ It is built from `h2o-stream ppl` result files alone (`report.results_in`), so i
 covers whatever runs have finished; runs not made on one stream through one model are refused, never ranked side by
 side (`report.check_comparable`). Per cache size it ranks the policies by perplexity and gives each one's ratio to
 sink and to h2o at that size (only between runs over the same tokens: the same stream digest; otherwise the ratio is
-None), the most keys any query saw, the chunk size and the speed; a run without eviction (full) is the reference row
+None), with a 95% bootstrap interval over windows of 10,000 tokens (`ratio_interval`), the most keys any query saw, the chunk size and the speed; a run without eviction (full) is the reference row
 and line. Files: `leaderboard.json`, `leaderboard.md`,
 `ppl_vs_cache.png` (PPL against cache size, one line per policy) and `windowed_ppl.png` (PPL of consecutive windows
 of the stream, one panel per cache size).
@@ -16,6 +16,7 @@ import collections
 import datetime
 import math
 import os
+import random
 import statistics
 from pathlib import Path
 
@@ -25,6 +26,8 @@ from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
+#: predicted tokens per window of the bootstrap behind each ratio's interval (`ratio_interval`)
+INTERVAL_WINDOW = 10_000
 
 
 def leaderboard(results: list[dict]) -> dict:
@@ -102,7 +105,45 @@ def _row(result: dict, baselines: dict[str, dict]) -> dict:
         base = baselines.get(name)
         same = base is not None and base["stream_sha256"] == result["stream_sha256"]
         row[f"vs_{name}"] = result["ppl"] / base["ppl"] if same else None
+        row[f"vs_{name}_interval"] = ratio_interval(result, base) if same and base is not result else None
     return row
+
+
+def window_nlls(curve: list[tuple[int, float]], ends: list[int]) -> list[float]:
+    """The NLL summed over each window of predicted tokens ending at `ends` (points of a running-PPL curve; the
+    first window starts at 0)."""
+    totals = {n: n * math.log(ppl) for n, ppl in curve}
+    sums, before = [], 0.0
+    for end in ends:
+        sums.append(totals[end] - before)
+        before = totals[end]
+    return sums
+
+
+def ratio_interval(result: dict, base: dict, window: int = INTERVAL_WINDOW, draws: int = 2000,
+                   seed: int = 0) -> list[float] | None:
+    """A 95% bootstrap interval of `result`'s PPL over `base`'s (runs over the same tokens): windows of about
+    `window` predicted tokens (ending at curve points both runs share) are drawn with replacement, both runs' NLL
+    over the same draw, so that a reader can tell a 3% gap from noise. None with fewer than 5 windows. Seeded: the
+    same runs give the same interval."""
+    shared = sorted({n for n, _ in result["curve"]} & {n for n, _ in base["curve"]})
+    ends, last = [], 0
+    for n in shared:
+        if n - last >= window:
+            ends.append(n)
+            last = n
+    if len(ends) < 5:
+        return None
+    mine, theirs = window_nlls(result["curve"], ends), window_nlls(base["curve"], ends)
+    lengths = [end - start for start, end in zip([0, *ends], ends)]
+    generator = random.Random(seed)
+    ratios = []
+    for _ in range(draws):
+        picks = [generator.randrange(len(ends)) for _ in ends]
+        tokens = sum(lengths[i] for i in picks)
+        ratios.append(math.exp(sum(mine[i] - theirs[i] for i in picks) / tokens))
+    ratios.sort()
+    return [ratios[int(0.025 * draws)], ratios[int(0.975 * draws) - 1]]
 
 
 def markdown(board: dict) -> str:
@@ -114,12 +155,20 @@ def markdown(board: dict) -> str:
     blocks = [(str(size), entry["rows"]) for size, entry in board["sizes"].items()]
     for size, rows in [*blocks, ("all", board.get("reference", []))]:
         for row in rows:
-            ratios = [f"{row[f'vs_{name}']:.3f}" if row[f"vs_{name}"] is not None else "—" for name in BASELINES]
+            ratios = [_ratio(row, name) for name in BASELINES]
             lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
                          f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
                          f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''}{_span(row)} | "
                          f"{row['tokens_per_second']:.0f} | {row['tokens']:,} |")
     return "\n".join(lines) + "\n"
+
+
+def _ratio(row: dict, baseline: str) -> str:
+    """'1.043 (1.031–1.056)': the ratio to a baseline and its bootstrap interval, '—' where there is none."""
+    ratio, interval = row[f"vs_{baseline}"], row.get(f"vs_{baseline}_interval")
+    if ratio is None:
+        return "—"
+    return f"{ratio:.3f}" + (f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else "")
 
 
 def _span(row: dict) -> str:
