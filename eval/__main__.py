@@ -25,6 +25,7 @@ SUITES = {
     "device": "eval.device_check:main",
     "render": "eval.render:render",
     "serve": "eval.serve_load:serve",
+    "attention": "eval.attention:attention",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
@@ -34,6 +35,7 @@ SUMMARIES = {
     "needle": "Passkey retrieval through the cache, every policy.",
     "soak": "Long chats and generated text (parts: chat, defaults).",
     "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
+    "attention": "Attention mass on sinks, the recent window and older keys, per layer, per model.",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
 }

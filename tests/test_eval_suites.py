@@ -245,3 +245,22 @@ def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     assert done.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"Error: no policy has a run in both {empty} and {empty}"]
     assert not (tmp_path / "gap.json").exists()
+
+
+def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too_short(tiny, tmp_path):
+    suite("attention", "--model", tiny, "--windows", "2", "--length", "40", "--sinks", "2", "--recent", "8",
+          "--out", str(tmp_path / "att"))
+    written = written_json(tmp_path / "att.json")
+    (run,) = written["models"].values()
+    assert len(run["layers"]) == 2
+    for layer in run["layers"]:  # every query's attention is a distribution over the three groups
+        assert layer["sinks"] + layer["recent"] + layer["older"] == pytest.approx(1.0, abs=1e-6)  # float32 probabilities
+        assert min(layer["sinks"], layer["recent"], layer["older"]) > 0
+    assert sum(run["by_distance"].values()) == pytest.approx(1.0, abs=1e-6)  # float32 probabilities
+    assert (tmp_path / "att.png").is_file()
+    kept = committed("models/attention_by_distance.json")
+    assert shape(written, frozenset({"models", "by_distance"})).keys() == shape(kept).keys()
+    with pytest.raises(SystemExit) as done:
+        main(["attention", "--model", tiny, "--length", "10", "--sinks", "2", "--recent", "8",
+              "--out", str(tmp_path / "no")])
+    assert done.value.code == 2 and not (tmp_path / "no.json").exists()
