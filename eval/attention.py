@@ -61,11 +61,13 @@ def measure(loaded, data: str, windows: int, length: int, sinks: int, recent: in
     queries = torch.arange(sinks + recent, length)
     keys = torch.arange(length)
     distance = queries[:, None] - keys[None, :]  # >= 0 where a query may look
+    visible = distance >= 0
     group_of = {"sinks": (keys < sinks)[None, :].expand_as(distance),
-                "recent": (distance >= 0) & (distance < recent),
+                "recent": visible & (distance < recent),
                 "older": (keys >= sinks)[None, :] & (distance >= recent)}
     buckets = int(math.log2(length)) + 1
-    bucket = torch.where(distance > 0, torch.log2(distance.clamp(min=1).float()).floor().long() + 1, 0)
+    # distance 0 is bucket 0, distances 2^(b-1) .. 2^b - 1 bucket b
+    bucket = torch.where(distance > 0, torch.log2(distance.clamp(min=1).float()).floor().long() + 1, 0)[visible]
     layers: list[dict[str, float]] = []
     by_distance = torch.zeros(buckets + 1, dtype=torch.float64)
     with torch.no_grad():
@@ -77,9 +79,7 @@ def measure(loaded, data: str, windows: int, length: int, sinks: int, recent: in
                     layers.append(dict.fromkeys(GROUPS, 0.0))
                 for name, mask in group_of.items():
                     layers[index][name] += float((probs * mask).sum(1).mean()) / len(ids)
-                valid = distance >= 0
-                by_distance += torch.zeros(buckets + 1, dtype=torch.float64).index_add_(
-                    0, bucket[valid], probs[valid]) / (len(queries) * len(attentions) * len(ids))
+                by_distance.index_add_(0, bucket, probs[visible] / (len(queries) * len(attentions) * len(ids)))
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
     return {"layers": [{**layer, "type": types[i] if types else "full_attention"} for i, layer in enumerate(layers)],
             "mean": {name: sum(layer[name] for layer in layers) / len(layers) for name in GROUPS},

@@ -126,7 +126,8 @@ def first_run(res: Results) -> list[str]:
             source(res, name, extra=f"; {model_of({'title': runs[0]['settings'].get('model', '')})}")]
 
 
-BLOCKS = {"headline": headline, "leaderboard": leaderboard, "models": models, "long": long, "speed": speed, "first_run": first_run}
+BLOCKS = {"headline": headline, "leaderboard": leaderboard, "models": models, "long": long, "speed": speed,
+          "first_run": first_run}
 
 
 def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:

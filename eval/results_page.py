@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from eval.common import BadInput, scrub_command
+from h2o_stream.apps.perplexity.leaderboard import ratio_text
 from eval.serve_load import serve_section
 
 PAGE = Path("docs/results.md")
@@ -106,12 +107,6 @@ def source(res: Results, name: str, command: str | None = None, extra: str = "")
     return text + extra + "."
 
 
-def ratio(row: dict, baseline: str) -> str:
-    """A leaderboard row's ratio to a baseline with its 95% bootstrap interval when the board has one."""
-    interval = row.get(f"vs_{baseline}_interval")
-    return num(row.get(f"vs_{baseline}"), 3) + (f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else "")
-
-
 def run_provenance(runs: list[dict]) -> list[str]:
     """The distinct commands and versions recorded in `h2o-stream ppl` run files."""
     commands = sorted({scrub_command(r["command"]) for r in runs if r.get("command")})
@@ -189,11 +184,11 @@ def ranking_holds(first: dict, other: dict) -> str:
         rows_b = sorted(other["sizes"][size]["rows"], key=lambda r: r["ppl"])
         common = [p for p in grid_a if size in grid_a[p] and size in grid_b.get(p, {})]
         pairs = [(p, q) for i, p in enumerate(common) for q in common[i + 1:]]
-        agree = sum((grid_a[p][size]["ppl"] < grid_a[q][size]["ppl"]) == (grid_b[p][size]["ppl"] < grid_b[q][size]["ppl"])
-                    for p, q in pairs)
+        agree = sum((grid_a[p][size]["ppl"] < grid_a[q][size]["ppl"])
+                    == (grid_b[p][size]["ppl"] < grid_b[q][size]["ppl"]) for p, q in pairs)
         win_a, win_b = rows_a[0]["policy"], rows_b[0]["policy"]
         gap = lambda rows: f"{rows[1]['policy']} +{(rows[1]['ppl'] / rows[0]['ppl'] - 1) * 100:.1f}%"  # noqa: E731
-        winner = (f"{win_a} is best on both" if win_a == win_b else f"{win_a} is best on {name_a}, {win_b} on {name_b}")
+        winner = f"{win_a} is best on both" if win_a == win_b else f"{win_a} is best on {name_a}, {win_b} on {name_b}"
         said.append(f"at cache {size}, {winner} (next: {gap(rows_a)} on {name_a}, {gap(rows_b)} on {name_b}); "
                     f"{agree} of {len(pairs)} policy pairs are in the same order")
     only = [s for s in sizes_a if s not in sizes_b]
@@ -216,7 +211,7 @@ def leaderboard_section(res: Results, page: Path) -> list[str]:
         lines += board_table(board) + [verdict(board), ""]
         lines += table(["cache", "policy", "PPL", "vs sink", "vs h2o", "max keys seen", "chunk", "tok/s",
                         "predicted tokens"],
-                       [[size, r["policy"], num(r["ppl"], 3), ratio(r, "sink"), ratio(r, "h2o"),
+                       [[size, r["policy"], num(r["ppl"], 3), ratio_text(r, "sink", "–"), ratio_text(r, "h2o", "–"),
                          r.get("max_keys_seen", "–"), r.get("chunk_size", "–"), num(r.get("tokens_per_second"), 0),
                          f"{r['tokens']:,}"] for size in sorted(board["sizes"], key=int)
                         for r in board["sizes"][size]["rows"]], {0, 2, 3, 4, 5, 6, 7, 8})

@@ -85,8 +85,9 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
 
     The command receives `policy` (a name; with `multiple`, a list of names), `cache_size` (an int; with `multiple`, a
     list), `parts` (the parts and settings given on the command line, e.g. {'heavy': 64, 'alpha': 0.9}; pass them on
-    as `**parts`; with `multiple`, a part's value is a list of slot counts, a sweep) and `no_rolling`. The part and setting options are the union of every registered policy's
-    declarations, with their help; a setting whose default is a bool is a flag (--per-head).
+    as `**parts`; with `multiple`, a part's value is a list of slot counts, a sweep) and `no_rolling`. The part and
+    setting options are the union of every registered policy's declarations, with their help; a setting whose default
+    is a bool is a flag (--per-head).
     """
     several = " (comma-separated for several)" if multiple else ""
     declared = declared_parts()

@@ -4,8 +4,9 @@ It is built from `h2o-stream ppl` result files alone (`report.results_in`), so i
 covers whatever runs have finished; runs not made on one stream through one model are refused, never ranked side by
 side (`report.check_comparable`). Per cache size it ranks the policies by perplexity and gives each one's ratio to
 sink and to h2o at that size (only between runs over the same tokens: the same stream digest; otherwise the ratio is
-None), with a 95% bootstrap interval over windows of 10,000 tokens (`ratio_interval`), the most keys any query saw, the chunk size and the speed; a run without eviction (full) is the reference row
-and line. Files: `leaderboard.json`, `leaderboard.md`,
+None), with a 95% bootstrap interval over windows of 10,000 tokens (`ratio_interval`), the most keys any query saw,
+the chunk size and the speed; a run without eviction (full) is the reference row and line. Files: `leaderboard.json`,
+`leaderboard.md`,
 `ppl_vs_cache.png` (PPL against cache size, one line per policy) and `windowed_ppl.png` (PPL of consecutive windows
 of the stream, one panel per cache size).
 """
@@ -155,7 +156,7 @@ def markdown(board: dict) -> str:
     blocks = [(str(size), entry["rows"]) for size, entry in board["sizes"].items()]
     for size, rows in [*blocks, ("all", board.get("reference", []))]:
         for row in rows:
-            ratios = [_ratio(row, name) for name in BASELINES]
+            ratios = [ratio_text(row, name) for name in BASELINES]
             lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
                          f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
                          f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''}{_span(row)} | "
@@ -163,11 +164,12 @@ def markdown(board: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _ratio(row: dict, baseline: str) -> str:
-    """'1.043 (1.031–1.056)': the ratio to a baseline and its bootstrap interval, '—' where there is none."""
-    ratio, interval = row[f"vs_{baseline}"], row.get(f"vs_{baseline}_interval")
+def ratio_text(row: dict, baseline: str, missing: str = "—") -> str:
+    """'1.043 (1.031–1.056)': a leaderboard row's ratio to a baseline and its bootstrap interval when it has one,
+    `missing` where there is no ratio."""
+    ratio, interval = row.get(f"vs_{baseline}"), row.get(f"vs_{baseline}_interval")
     if ratio is None:
-        return "—"
+        return missing
     return f"{ratio:.3f}" + (f" ({interval[0]:.3f}–{interval[1]:.3f})" if interval else "")
 
 

@@ -45,9 +45,9 @@ def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None
               ) -> list[tuple[str, EvictionPolicy]]:
     """(run name, policy) for every policy × cache size, e.g. ('h2o-256', ...); a policy without budget parts (full)
     runs once, named by itself. A part given as a list of several slot counts is swept: one run per value and
-    size, named by it too (e.g. 'h2o-256-heavy=16'), which the reports show as 'h2o heavy=16'. Each policy gets those of `parts` (budget parts and settings, e.g. {'alpha': 0.9}) it
-    declares; the others fill in its defaults. A part or setting that none of the policies takes is an error (it would
-    be silently ignored).
+    size, named by it too (e.g. 'h2o-256-heavy=16'), which the reports show as 'h2o heavy=16'. Each policy gets
+    those of `parts` (budget parts and settings, e.g. {'alpha': 0.9}) it declares; the others fill in its defaults.
+    A part or setting that none of the policies takes is an error (it would be silently ignored).
 
     `tokenizer` is the model's tokenizer, which some policies need (sepllm). Without it those policies are checked
     as far as can be without building them (their name and what they take) and left out, so that a command can check
