@@ -26,6 +26,7 @@ SUITES = {
     "render": "eval.render:render",
     "serve": "eval.serve_load:serve",
     "attention": "eval.attention:attention",
+    "seam": "eval.seam:seam",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
@@ -36,6 +37,7 @@ SUMMARIES = {
     "soak": "Long chats and generated text (parts: chat, defaults).",
     "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
     "attention": "Attention mass on sinks, the recent window and older keys, per layer, per model.",
+    "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
 }
