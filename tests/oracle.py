@@ -12,7 +12,7 @@ Covers Llama-style models with default RoPE.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface
@@ -29,6 +29,7 @@ class Entry:
     token: int = -1
     score: float = 0.0
     square: float = 0.0  # roco: the sum of the squares of what each step gave
+    history: list = field(default_factory=list)  # "window": (step, what it gave) of every step
 
 
 def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
@@ -40,7 +41,7 @@ def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
     be comparable.
     """
     generator = torch.Generator().manual_seed(seed)
-    if policy.needs_keys:
+    if type(policy).ranking == "key_diversity":
         assert length <= vocab - 2
         return (torch.randperm(vocab - 2, generator=generator)[:length] + 2).unsqueeze(0)
     return torch.randint(2, vocab, (1, length), generator=generator)
@@ -77,22 +78,50 @@ def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin])
 
 
-class Oracle:
-    #: the policies whose cut rules `cut` spells out (the engine tests compare these)
-    POLICIES = ("full", "window", "sink", "h2o", "h2o_sinks", "a2sf", "tova", "sepllm", "keydiff", "roco")
+@dataclass
+class Rules:
+    """A policy's declaration as the oracle reads it, plainly: its parts by name in declaration order, how attention
+    becomes a score and how the middle entries are ranked."""
 
-    def __init__(self, model, policy_name: str, *, sinks: int = 0, heavy: int = 0, recent: int = 0,
-                 states: int = 0, separators: int = 0, diverse: int = 0, volatile: int = 0, alpha: float = 1.0,
-                 per_head: bool = False, separator_ids=(), rolling: bool = True):
+    parts: dict[str, int]
+    accumulate: str | None  # sum / decay / latest / moments, or None: no scores
+    layer_mean: bool  # the layer's mean over every query head, else per KV head (its query heads summed)
+    decay: float
+    ranking: str | None  # age / score / mean / key_diversity / token_class
+    separator_ids: frozenset = frozenset()
+    window: int = 0  # "window": the latest queries whose attention counts
+    kernel: int = 1  # "pooled": neighbouring slots pooled, centred
+    max_pool: bool = False
+
+    @classmethod
+    def of(cls, policy) -> "Rules":
+        parts = {part.name: getattr(policy, part.name) for part in type(policy).parts}
+        scoring = type(policy).scoring
+        accumulate = None if scoring is None else scoring.accumulate
+        heads = "kv" if scoring is None else scoring.heads
+        if heads not in ("kv", "layer"):  # the name of a bool setting: per KV head when it is true
+            heads = "kv" if getattr(policy, heads) else "layer"
+        decay = 1.0 if scoring is None else scoring.decay
+        decay = float(getattr(policy, decay) if isinstance(decay, str) else decay)
+        window = 0 if scoring is None else scoring.window
+        window = int(getattr(policy, window) if isinstance(window, str) else window)
+        return cls(parts, accumulate, heads == "layer", decay, type(policy).ranking,
+                   frozenset(getattr(policy, "separator_ids", ())), window, getattr(policy, "kernel", 1),
+                   getattr(policy, "max_pool", False))
+
+
+class Oracle:
+    #: the rankings whose cut rules `cut` spells out (the engine tests compare these)
+    RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled")
+
+    def __init__(self, model, rules: Rules, *, rolling: bool = True):
         config = model.config
         assert config.rope_parameters["rope_type"] == "default"
-        assert policy_name in self.POLICIES, f"no cut rules for {policy_name!r} here: spell them out in `cut`"
+        assert rules.ranking in self.RANKINGS, f"no cut rules for {rules.ranking!r} here: spell them out in `cut`"
         self.model = model
-        self.policy_name, self.sinks, self.heavy, self.recent = policy_name, sinks, heavy, recent
-        self.states, self.separators, self.diverse, self.volatile = states, separators, diverse, volatile
-        self.alpha, self.per_head, self.separator_ids = alpha, per_head, set(separator_ids)
-        self.budget = None if policy_name == "full" else sinks + heavy + recent + states + separators + diverse \
-            + volatile
+        self.rules = rules
+        self.parts = dict(rules.parts)
+        self.budget = sum(self.parts.values()) if self.parts else None
         self.rolling = rolling
         self.head_dim = config.hidden_size // config.num_attention_heads
         theta = config.rope_parameters["rope_theta"]
@@ -105,8 +134,9 @@ class Oracle:
 
     @classmethod
     def for_policy(cls, model, policy, *, rolling: bool = True) -> "Oracle":
-        """The oracle for an engine policy object: its name and every field (parts, settings, separator ids)."""
-        return cls(model, policy.name, rolling=rolling, **vars(policy))
+        """The oracle for an engine policy object: its declaration and every field (parts, settings, separator
+        ids)."""
+        return cls(model, Rules.of(policy), rolling=rolling)
 
     def step(self, token: int) -> torch.Tensor:
         previous = self.model.config._attn_implementation
@@ -122,10 +152,6 @@ class Oracle:
         self.t += 1
         return logits
 
-    BANDS = ("full", "window", "sink")  # chunked mode equals exact mode for these: no fair cut
-    #: the order in which the engine's policies declare their parts (ties in a fair chunk's cut go to the earlier)
-    PART_ORDER = ("sinks", "volatile", "heavy", "states", "separators", "diverse", "recent")
-
     def chunk(self, tokens: list[int]) -> torch.Tensor:
         """Fair chunked mode as docs/design.md states it, for a policy without a band; (C, vocab) logits.
 
@@ -133,32 +159,31 @@ class Oracle:
         but the sinks gives up its share of the C - 1 slots in proportion to its size (the largest remainders one
         more, ties to the part declared first), the sinks only if nothing else is left. Then the C
         tokens run one by one with no cut in between (each query sees everything before it), each query one step of
-        the policy's score rule (summed, or decayed then summed for a2sf; tova: the chunk's last query alone, as the
-        official code does for a prompt); then the cut to the budget.
+        the policy's score rule ("latest": the chunk's last query alone, as the official TOVA code does for a
+        prompt); then the cut to the budget.
         """
-        assert self.policy_name not in self.BANDS
+        assert self.budget is not None and not (self.rules.ranking == "age" and self.rules.accumulate is None)
         kept = self.budget + 1 - len(tokens)
-        names = [n for n in self.PART_ORDER if getattr(self, n)]
-        saved = {name: getattr(self, name) for name in (*names, "budget")}
+        saved = dict(self.parts), self.budget
         cut = self.budget - kept
-        others = [n for n in names if n != "sinks"]
-        total = sum(getattr(self, n) for n in others)
+        declared = list(self.parts)  # declaration order
+        others = [n for n in declared if n != "sinks" and self.parts[n]]
+        total = sum(self.parts[n] for n in others)
         if cut >= total:
             for n in others:
-                setattr(self, n, 0)
-            self.sinks -= cut - total
+                self.parts[n] = 0
+            self.parts["sinks"] -= cut - total
         else:  # each other part gives up its share of the cut; the largest remainders give one slot more
-            shares = {n: cut * getattr(self, n) / total for n in others}
-            order = sorted(others, key=lambda n: (-(shares[n] - math.floor(shares[n])), self.PART_ORDER.index(n)))
+            shares = {n: cut * self.parts[n] / total for n in others}
+            order = sorted(others, key=lambda n: (-(shares[n] - math.floor(shares[n])), declared.index(n)))
             extra = cut - sum(math.floor(share) for share in shares.values())
             for i, n in enumerate(order):
-                setattr(self, n, getattr(self, n) - math.floor(shares[n]) - (1 if i < extra else 0))
+                self.parts[n] -= math.floor(shares[n]) + (1 if i < extra else 0)
         self.budget = kept
         for heads in self.entries:
             for h in range(len(heads)):
                 heads[h] = self.cut(heads[h])
-        for name, value in saved.items():
-            setattr(self, name, value)
+        self.parts, self.budget = saved
         self.received = {}
         try:
             logits = torch.stack([self.step(token) for token in tokens])
@@ -207,67 +232,80 @@ class Oracle:
 
     def score(self, heads: list[list[Entry]], probs_of: list[list[float]]) -> None:
         """Turn this step's probabilities (per query head, per slot) into the entries' scores."""
+        if self.rules.accumulate is None:
+            return
         for h, entries in enumerate(heads):
             for slot, e in enumerate(entries):
                 # what KV head h's entry received: its query heads summed, or the mean over every query head
-                if self.policy_name == "tova" and not self.per_head:
+                if self.rules.layer_mean:
                     assert all(other[slot].position == e.position for other in heads)  # one decision per layer
                     received = sum(probs[slot] for probs in probs_of) / len(probs_of)
                 else:
                     received = sum(probs_of[q][slot] for q in range(h * self.group, (h + 1) * self.group))
-                if self.received is None or self.policy_name != "tova":
+                if self.received is None or self.rules.accumulate != "latest":
                     self.take_score(e, received)  # every query of a chunk is one step of the score rule
                 else:
-                    self.received[id(e)] = received  # tova: the chunk's last query counts alone
+                    self.received[id(e)] = received  # "latest": the chunk's last query counts alone
 
     def take_score(self, e: Entry, received: float) -> None:
         """One step of the policy's score rule."""
-        if self.policy_name == "tova":
+        accumulate = self.rules.accumulate
+        if accumulate == "latest":
             e.score = received  # only the current query's attention
-        elif self.policy_name == "a2sf":
-            e.score = self.alpha * e.score + received
-        elif self.policy_name == "roco":
+        elif accumulate == "decay":
+            e.score = self.rules.decay * e.score + received
+        elif accumulate == "moments":
             e.score += received
             e.square += received * received
+        elif accumulate == "window":  # what the latest `window` queries (steps) gave, each step one
+            e.history.append((self.t, received))
+            e.score = sum(given for step, given in e.history if step > self.t - self.rules.window)
         else:
             e.score += received
 
     def cut(self, entries: list[Entry]) -> list[Entry]:
         if self.budget is None or len(entries) <= self.budget:
             return entries
-        if self.policy_name == "tova":  # drop the lowest score (ties: the newer entry goes); no window, no sinks
-            kept = sorted(entries, key=lambda e: (-e.score, e.position))[: self.budget]
-            return sorted(kept, key=lambda e: e.position)
-        split = len(entries) - self.recent
+        sinks_part, recent_part = self.parts.get("sinks", 0), self.parts.get("recent", 0)
+        ranked = self.budget - sinks_part - recent_part
+        split = len(entries) - recent_part
         recent = entries[split:]
-        sinks = [e for e in entries[:split] if e.position < self.sinks]
-        others = [e for e in entries[:split] if e.position >= self.sinks]
-        if self.policy_name == "window":
-            return recent
-        if self.policy_name == "sink":
+        sinks = [e for e in entries[:split] if e.position < sinks_part]
+        others = [e for e in entries[:split] if e.position >= sinks_part]
+        ranking = self.rules.ranking
+        if ranking == "age":
             return sinks + recent
-        if self.policy_name in ("h2o", "h2o_sinks", "a2sf"):
-            # the `heavy` highest scores among the others, ties to the older one; kept in stream order
-            chosen = sorted(others, key=lambda e: (-e.score, e.position))[: self.heavy]
-        elif self.policy_name == "roco":
+        if ranking == "score":
+            # the `ranked` highest scores among the others, ties to the older one; kept in stream order
+            chosen = sorted(others, key=lambda e: (-e.score, e.position))[:ranked]
+        elif ranking == "mean":
             # RoCo: per entry, the mean and variance of its attention over its steps in the cache (age: since it
-            # arrived, counted up to the newest entry); the `volatile` of highest variance, then the `heavy` of
-            # highest mean among the rest; ties to the older one
+            # arrived, counted up to the newest entry); the `volatile` of highest variance, then the highest means
+            # among the rest; ties to the older one
             newest = entries[-1].position
             mean = {id(e): e.score / (newest - e.position + 1) for e in others}
             variance = {id(e): e.square / (newest - e.position + 1) - mean[id(e)] ** 2 for e in others}
-            volatile = sorted(others, key=lambda e: (-variance[id(e)], e.position))[: self.volatile]
+            volatile = sorted(others, key=lambda e: (-variance[id(e)], e.position))[: self.parts.get("volatile", 0)]
             steady = [e for e in others if all(e is not v for v in volatile)]
-            chosen = volatile + sorted(steady, key=lambda e: (-mean[id(e)], e.position))[: self.heavy]
-        elif self.policy_name == "sepllm":
+            chosen = volatile + sorted(steady, key=lambda e: (-mean[id(e)], e.position))[: ranked - len(volatile)]
+        elif ranking == "pooled":
+            # SnapKV: each entry's score pooled with its neighbours among the others (slot order), `kernel` wide and
+            # centred; the average counts missing neighbours as 0, the maximum ignores them
+            half = self.rules.kernel // 2
+            pooled = {}
+            for i, e in enumerate(others):
+                near = [o.score for o in others[max(0, i - half): i + half + 1]]
+                pooled[id(e)] = max(near) if self.rules.max_pool else sum(near) / self.rules.kernel
+            chosen = sorted(others, key=lambda e: (-pooled[id(e)], e.position))[:ranked]
+        elif ranking == "token_class":
             # the most recent separators; spare slots to the most recent other entries
-            chosen = sorted(others, key=lambda e: (e.token in self.separator_ids, e.position), reverse=True)
-            chosen = chosen[: self.separators]
-        else:  # keydiff: the keys least similar to the mean unit key of everything held, ties to the older one
+            chosen = sorted(others, key=lambda e: (e.token in self.rules.separator_ids, e.position), reverse=True)
+            chosen = chosen[:ranked]
+        else:  # key_diversity: the keys least similar to the mean unit key of everything held, ties to the older one
             keys = [e.key if self.rolling else rope(e.key, e.position, self.inv_freq) for e in entries]
             anchor = sum(k / k.norm() for k in keys) / len(keys)
             similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm())) for e, k in zip(entries, keys)}
-            chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[: self.diverse]
+            chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[:ranked]
         return sinks + sorted(chosen, key=lambda e: e.position) + recent
 
 

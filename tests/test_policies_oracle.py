@@ -25,6 +25,10 @@ VARIANTS = {
     "sepllm-no-sinks": lambda: SepLLMPolicy(sinks=0, separators=5, recent=3, separator_ids=SEPARATORS),
     "roco": lambda: make_policy("roco", BUDGET, volatile=2, heavy=3, recent=3),
     "roco-no-volatile": lambda: make_policy("roco", BUDGET, volatile=0, recent=1),
+    "snapkv": lambda: make_policy("snapkv", BUDGET, heavy=5, recent=3, observation=3, kernel=3),
+    "snapkv-max-pool": lambda: make_policy("snapkv", BUDGET, heavy=6, recent=2, observation=4, kernel=3,
+                                           max_pool=True),
+    "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
 }
 
 
@@ -48,7 +52,7 @@ def test_the_oracle_comparison_can_fail():
     oracle that believes the factor is 1 (plain h2o) disagrees on what it keeps."""
     spec = make_policy("a2sf", BUDGET, alpha=0.5)
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
-    oracle = Oracle(model, "a2sf", heavy=spec.heavy, recent=spec.recent, alpha=1.0)
+    oracle = Oracle.for_policy(model, make_policy("a2sf", BUDGET, alpha=1.0))
     cache = StreamingCache(model, spec)
     ids = random_ids(10 * BUDGET, seed=2)
     differs = False

@@ -23,7 +23,7 @@ import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
 from h2o_stream.engine.attention import attend_with_scores, layer_mean
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import HEAVY, RECENT, split_budget
+from h2o_stream.engine.policies.base import HEAVY, RECENT, Scores, split_budget
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 from h2o_stream.engine.policies.slots import ages, keep_top, last_slots, top_slots
@@ -69,23 +69,23 @@ def test_a_budget_splits_by_the_declared_defaults(size, given, expected):
 
 @dataclass
 class HeaviestPolicy(EvictionPolicy):
-    """H2O's rule and nothing else: scored, with the base class's defaults for how attention becomes a score."""
+    """H2O's rule and nothing else, declared: scores summed (the `Scores` defaults), the middle ranked by score."""
 
     heavy: int
     recent: int
     name = "heaviest"
-    needs_scores = True
     parts = (HEAVY, RECENT)
-
-    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        return keep_top(scores[..., : positions.shape[-1] - self.recent], self.heavy, sinks=0, recent=self.recent)
+    scoring = Scores()
+    ranking = "score"
 
 
 @pytest.mark.parametrize("chunk", [1, 4], ids=["exact", "chunked"])
-def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, monkeypatch):
-    """The base class's defaults are H2O's: attention received, summed over the steps, the queries of a chunk and
-    the query heads of a KV head. A new scored policy with H2O's rule keeps what h2o keeps, token for token."""
-    monkeypatch.setenv("H2O_STREAM_COMPILED", "0")  # h2o's declared cut would take the compiled loop; this one cannot
+@pytest.mark.parametrize("compiled", ["0", "1"], ids=["tensor", "compiled"])
+def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, compiled, monkeypatch):
+    """`Scores()`'s defaults are H2O's: attention received, summed over the steps, the queries of a chunk and the
+    query heads of a KV head. A new policy declaring them and a ranking by score keeps what h2o keeps, token for
+    token, on the tensor operations and (exact mode) in the compiled loop, which reads the same declaration."""
+    monkeypatch.setenv("H2O_STREAM_COMPILED", compiled)
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     ids = random_ids(80)
     runs = []
@@ -118,15 +118,19 @@ def test_bad_declarations_are_refused():
         register(type("Impostor", (EvictionPolicy,), {"name": "h2o", "keep": lambda *a: None}))
     with pytest.raises(H2OStreamError, match="name usable as an argument"):
         Part("two words", "x")
-    with pytest.raises(H2OStreamError, match="score_squares needs needs_scores and per-KV-head scores"):
-        register(type("SquaresOfNothing", (EvictionPolicy,), {"name": "squares-of-nothing", "score_squares": True,
-                                                              "keep": lambda *a: None}))
-    with pytest.raises(H2OStreamError, match="score_squares needs needs_scores and per-KV-head scores"):
-        register(type("SquaresOfLayerMeans", (EvictionPolicy,), {"name": "squares-of-means", "score_squares": True,
-                                                                 "needs_scores": True, "score_heads": "layer",
-                                                                 "keep": lambda *a: None}))
+    with pytest.raises(H2OStreamError, match="moments .* need per-KV-head scores"):
+        Scores("moments", heads="layer")
+    with pytest.raises(H2OStreamError, match="scores accumulate by one of sum, decay, latest, moments"):
+        Scores("max")
+    with pytest.raises(H2OStreamError, match="ranks by score and needs a scoring"):
+        type("RankedByNothing", (EvictionPolicy,), {"name": "ranked-by-nothing", "ranking": "score"})
+    with pytest.raises(H2OStreamError, match=r"ranks by the mean and needs Scores\('moments'\)"):
+        type("MeanOfSums", (EvictionPolicy,), {"name": "mean-of-sums", "ranking": "mean", "scoring": Scores()})
+    with pytest.raises(H2OStreamError, match="ranking must be one of age, score, mean"):
+        type("Alphabetical", (EvictionPolicy,), {"name": "alphabetical", "ranking": "alphabetical"})
+    with pytest.raises(H2OStreamError, match="scoring must be a Scores declaration"):
+        type("SumString", (EvictionPolicy,), {"name": "sum-string", "scoring": "sum"})
     assert POLICIES["h2o"] is H2OPolicy and "two-rests" not in POLICIES
-    assert not {"squares-of-nothing", "squares-of-means"} & set(POLICIES)
 
 
 # -- bad input, through make_policy ---------------------------------------------------------------------------------

@@ -114,7 +114,7 @@ def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
     for trial in range(40):
         n, kept = 17 + trial % 4, 16 - trial % reductions  # a fair chunk's cut: from up to budget + C entries
         positions = torch.arange(100, 100 + n).expand(2, 3, n)  # ascending stream positions, as the cache keeps them
-        moments = (2,) if spec.score_squares else ()  # roco: sums and sums of squares
+        moments = spec.score_moments  # roco: sums and sums of squares; snapkv: one column per observed query
         scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
         extra = {"keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
                  "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}  # ids 3 and 4 are separators

@@ -9,11 +9,12 @@ from .memo import memoised
 
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False, query_weights=None, squares=False, virtual_logits=None):
+                       last_query=False, query_weights=None, squares=False, virtual_logits=None, window=0):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
     share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
-    over the queries of the square of what each query gave (its query heads summed first).
+    over the queries of the square of what each query gave (its query heads summed first). With `window`,
+    (batch, kv_heads, k_len, min(q_len, window)): what each of the last `window` queries gave, oldest first.
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     `virtual_logits` (q_heads,), if given, is the logit of a virtual key without a value that takes its share of every
@@ -42,7 +43,10 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
         virtual = virtual_logits.to(logits.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
         probs = torch.softmax(torch.cat([logits, virtual], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
         probs = probs.contiguous()
-    if squares:
+    if window:
+        received = probs[..., -window:, :].sum(dim=2).transpose(-1, -2).to(
+            torch.float32 if probs.device.type == "mps" else torch.float64)
+    elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
         per_query = (probs[..., -1:, :] if last_query else probs).sum(dim=2)
         per_query = per_query.to(torch.float32 if per_query.device.type == "mps" else torch.float64)

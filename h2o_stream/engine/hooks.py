@@ -114,7 +114,8 @@ def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
         output, received = attend_with_scores(query, key, value, mask, scaling, extras.softcap, sink_query, sinks,
                                               last_query=policy.score_queries == "last", query_weights=weights,
-                                              squares=policy.score_squares, virtual_logits=extras.sinks)
+                                              squares=policy.score_squares, virtual_logits=extras.sinks,
+                                              window=policy.score_window)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)

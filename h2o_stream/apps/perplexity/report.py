@@ -121,7 +121,7 @@ def pyplot():
 def title_figure(fig, title: str, fontsize: float = 9) -> None:
     """`title` (the model and corpus: the user's words) above the whole figure, wrapped to its width and taken as
     plain text: a '$' in a path is a dollar sign, not the start of a formula (mathtext would fail on it)."""
-    chars = max(20, int(fig.get_figwidth() * 72 / (0.6 * fontsize)))  # a character is ~0.5 em wide, plus margin
+    chars = max(20, int(fig.get_figwidth() * 72 / (0.65 * fontsize)))  # a character is ~0.5 em wide, plus margin
     fig.suptitle("\n".join(textwrap.wrap(title, width=chars)) or " ", fontsize=fontsize, parse_math=False,
                  usetex=False)
 

@@ -1,22 +1,27 @@
-"""The scoring seam every eviction policy plugs into.
+"""The policy seam: a policy is a declaration, and everything the engine asks of it is derived from that here.
 
-A policy sees, per layer, the cache's bookkeeping after an attention step (stream positions of the entries each KV head
-holds; when it asks for them, their scores, their keys or their token ids) and answers one question: which slots
-survive. It declares how the attention an entry receives becomes its score (`update_scores`, `score_heads`,
-`score_queries`) and whether it needs attention probabilities at all (`needs_scores`: those that do not keep the fused
-attention path). Everything else (storage, rotation, gathering) belongs to the cache.
+A policy declares (docs/design.md, "Writing a policy"):
+- `parts`: its budget, in cache slots (`Part`); a part named `sinks` protects the stream's first tokens, one named
+  `recent` the newest entries; every other part is filled by rank;
+- `options`: settings that are not slot counts (`Setting`), checked when the policy is made;
+- `scoring`: how the attention an entry receives becomes its score (`Scores`), or None: no scores (the fused
+  attention path stays);
+- `ranking`: how the entries between the sinks and the recent window are ranked for the ranked parts (ranking.py):
+  "age" (none ranked: sinks and a recent window, a band), "score", "mean", "key_diversity", "token_class",
+  "pooled";
+- optionally `fair_chunk_share` (the default fair chunk, as a share of the budget) and `tokenizer_settings` (fields
+  derived from the model's tokenizer, for a ranking that reads token ids).
 
-A policy declares its budget `parts` (each a number of cache slots, with a default and a help text); the parts add up
-to the budget. `make_policy`, the command-line options, the printed split and the result files are all driven by
-these declarations, so a new policy is one file in this folder with `@register` on its class.
+From these the engine gets, for every path alike (tensor operations, the compiled exact-mode loop, fair chunks, the
+tests' oracle): whether layers carry scores and of what shape, how a step's attention updates them
+(`update_scores`, `query_weights`), which slots a cut keeps (`keep`, `keep_twice`), the band of a policy that needs no
+decision inside a chunk (`band`), the compiled loop's rule (`drop_one`), and whether cuts nest (`cuts_nest`). A policy
+whose cut none of the rankings says overrides `keep` (ranking None); it then runs on the tensor operations only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
-from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
@@ -24,99 +29,20 @@ if TYPE_CHECKING:  # torch is imported where it is used: the registry loads with
 
 from h2o_stream.errors import H2OStreamError
 
-from .slots import at_slots
+from ..memo import memoised
+from .declarations import (HEAVY, RANKINGS, RECENT, SINKS, DropOne, Part, Scores, Setting, check_count,
+                           shrink_parts, split_budget)
+from .slots import at_slots, first_slots, keep_top, last_slots
+
+__all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
+           "shrink_parts", "split_budget"]
 
 
-@dataclass(frozen=True)
-class Part:
-    """One part of a policy's budget: `name` slots of the cache (also the constructor argument and the `--name` option).
-
-    Its default, when not given: `fixed` slots, or a `share` of the cache size (rounded down), or (neither) the rest:
-    what the other parts leave of the cache size. A policy has at most one rest part.
-    """
-
-    name: str
-    help: str
-    fixed: int | None = None
-    share: float | None = None
-
-    def __post_init__(self):
-        if not self.name.isidentifier():
-            raise H2OStreamError(f"a budget part needs a name usable as an argument, got {self.name!r}")
-        if self.fixed is not None and self.share is not None:
-            raise H2OStreamError(f"part {self.name!r} has both a fixed and a shared default; give one")
-
-    @property
-    def is_rest(self) -> bool:
-        return self.fixed is None and self.share is None
-
-    def default(self, cache_size: int) -> int | None:
-        """Slots this part takes by default out of `cache_size` (None: the rest part, decided by the others)."""
-        if self.fixed is not None:
-            return self.fixed
-        if self.share is not None:
-            return math.floor(cache_size * self.share)
-        return None
-
-    @property
-    def default_text(self) -> str:
-        """The default in words, for help texts."""
-        if self.fixed is not None:
-            return f"{self.fixed}"
-        if self.share is not None:
-            return "half the cache size" if self.share == 0.5 else f"{self.share:g} of the cache size"
-        return "the cache size minus the other parts"
-
-
-#: the recent window most policies keep; as the rest part it takes what their other parts leave
-RECENT = Part("recent", "recent-window slots, the last entries")
-#: H2O's heavy hitters; half the cache by default, the paper's split
-HEAVY = Part("heavy", "heavy-hitter slots, the highest-scored older entries", share=0.5)
-#: the stream's first tokens, kept for good (StreamingLLM's attention sinks)
-SINKS = Part("sinks", "attention-sink slots, the stream's first tokens", fixed=4)  # StreamingLLM's choice
-
-
-@dataclass(frozen=True)
-class Setting:
-    """A policy setting that is not a number of slots (e.g. a2sf's forgetting factor): `name` is the constructor
-    argument, `default` its value when not given. The policy's `__post_init__` checks the value."""
-
-    name: str
-    help: str
-    default: float | bool
-
-    def __post_init__(self):
-        if not self.name.isidentifier():
-            raise H2OStreamError(f"a policy setting needs a name usable as an argument, got {self.name!r}")
-
-
-@dataclass(frozen=True)
-class DropOne:
-    """How a policy makes exact mode's cut of one entry (a layer holding budget + 1), declared for the compiled
-    exact-mode step (`engine/compiled.py`), which must then drop what `keep` would: per KV head, the slots below
-    `sinks` and the last `recent` slots are never dropped; of the others, with `ranked`, the lowest score goes (of
-    equal lowest, the newest: `keep`'s ties to the older entry), else the oldest one.
-
-    Scores, with `ranked`: a new entry starts at 0 and each step `score <- decay * score + received`, or
-    `score <- received` with `latest_only` (the current query's attention alone); received per KV head or the
-    layer's mean, as the policy's `score_heads` says. With `by_mean` (roco; `score_squares`) the scores also sum the
-    squares of what each step gave, the rank is the mean over the entry's age, and of the candidates the `volatile`
-    of highest variance (of equal variance, the older) are never dropped."""
-
-    sinks: int
-    recent: int
-    ranked: bool
-    decay: float = 1.0
-    latest_only: bool = False
-    by_mean: bool = False
-    volatile: int = 0
-
-
-class EvictionPolicy(ABC):
+class EvictionPolicy:
     """Chooses which cache entries to keep once a layer holds more than `budget` entries per KV head.
 
-    Subclasses are dataclasses whose fields are their settings (usually exactly their `parts`), so that
-    `type(policy)(**vars(policy))` rebuilds a policy and `settings()` identifies it in checkpoints and results.
+    Subclasses are dataclasses whose fields are their parts and settings, so that `type(policy)(**vars(policy))`
+    rebuilds a policy and `settings()` identifies it in checkpoints and results.
     """
 
     name: ClassVar[str]
@@ -124,42 +50,29 @@ class EvictionPolicy(ABC):
     parts: ClassVar[tuple[Part, ...]] = ()
     #: settings that are not slot counts, with their defaults (fields of the dataclass too)
     options: ClassVar[tuple[Setting, ...]] = ()
-    #: whether the cache must keep a score from the attention each entry receives (costs an explicit softmax;
-    #: policies without it keep the fused attention path, and their layers carry no scores)
-    needs_scores: ClassVar[bool] = False
-    #: whose attention makes an entry's score: "kv" — per KV head, the query heads reading it summed (GQA/MQA);
-    #: "layer" — the mean over all query heads of the layer, the same for every KV head (one decision per layer)
-    score_heads: ClassVar[str] = "kv"
-    #: which queries of a forward count: "all" — every query of a chunk, summed; "last" — only its last query.
-    #: Exact mode has one query per forward, so this matters only in chunked mode.
-    score_queries: ClassVar[str] = "all"
-    #: whether an entry's score also sums the square of each query's attention, to tell steady attention from
-    #: fluctuating (RoCo's variance): the scores then gain a last axis of 2, [..., 0] the attention received and
-    #: [..., 1] the sum of its squares, one square per query (per KV head: needs `score_heads` "kv")
-    score_squares: ClassVar[bool] = False
-    #: whether `keep` needs the keys the layer holds (passed as `keys=`)
-    needs_keys: ClassVar[bool] = False
-    #: whether `keep` needs the token id of every entry (passed as `tokens=`; forwards must bring token ids)
-    needs_tokens: ClassVar[bool] = False
-    #: whether building the policy needs the model's tokenizer (see `tokenizer_settings`)
-    needs_tokenizer: ClassVar[bool] = False
-    #: whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
-    #: (the scores unchanged in between). True when `keep` takes the top of one fixed order of the entries, apart from
-    #: sinks and a recent window that only shrink when reduced (h2o, a2sf, tova, sepllm); not for keydiff, whose
-    #: anchor is the mean of the keys held. Between two fair chunks (or blocks of a fair scan) such a policy then
-    #: makes one cut, with `reduced`; one whose cuts do not nest makes both at once (`keep_twice`).
-    cuts_nest: ClassVar[bool] = False
+    #: how attention becomes an entry's score; None: no scores
+    scoring: ClassVar[Scores | None] = None
+    #: how the entries between the protected ends are ranked (ranking.py); None: the policy's own `keep`
+    ranking: ClassVar[str | None] = "age"
     #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`, which also keeps it
     #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
     #: per policy, eval/results/quality/gap.json)
     fair_chunk_share: ClassVar[float] = 1 / 16
 
+    # -- derived from the declaration, per class (the engine and the command line read them) ------------------------
+    #: whether layers keep scores (an explicit softmax); policies without keep the fused attention path
+    needs_scores: ClassVar[bool] = False
+    #: which queries of a chunk count: "all", or "last" (only its last query: "latest" scores)
+    score_queries: ClassVar[str] = "all"
+    #: whether scores also sum the squares of what each query gave (a last axis of 2: "moments")
+    score_squares: ClassVar[bool] = False
+    #: whether `keep` reads the keys the layer holds (as the layer stores them: un-rotated when rolling)
+    needs_keys: ClassVar[bool] = False
+    #: whether `keep` reads every entry's token id (forwards must bring token ids)
+    needs_tokens: ClassVar[bool] = False
+    #: whether building the policy needs the model's tokenizer (`tokenizer_settings`)
+    needs_tokenizer: ClassVar[bool] = False
     _part_names: ClassVar[tuple[str, ...]] = ()
-
-    @property
-    def score_moments(self) -> tuple[int, ...]:
-        """The trailing shape of one entry's score: (2,) with `score_squares` (sum, sum of squares), else ()."""
-        return (2,) if self.score_squares else ()
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -168,6 +81,22 @@ class EvictionPolicy(ABC):
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
         if not isinstance(cls.options, tuple) or not all(isinstance(option, Setting) for option in cls.options):
             raise H2OStreamError(f"{cls.__qualname__}.options must be a tuple of Setting declarations")
+        if cls.scoring is not None and not isinstance(cls.scoring, Scores):
+            raise H2OStreamError(f"{cls.__qualname__}.scoring must be a Scores declaration or None")
+        if "keep" in cls.__dict__ and "ranking" not in cls.__dict__:
+            cls.ranking = None  # a cut of its own
+        if cls.ranking is not None and cls.ranking not in RANKINGS:
+            raise H2OStreamError(f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
+                                 f"`keep` of its own), not {cls.ranking!r}")
+        if cls.ranking in ("score", "mean", "pooled") and cls.scoring is None:
+            raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
+        if cls.ranking == "mean" and cls.scoring.accumulate != "moments":
+            raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
+        cls.needs_scores = cls.scoring is not None
+        cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
+        cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
+        cls.needs_keys = cls.ranking == "key_diversity"
+        cls.needs_tokens = cls.needs_tokenizer = cls.ranking == "token_class"
 
     @classmethod
     def part_names(cls) -> tuple[str, ...]:
@@ -186,8 +115,7 @@ class EvictionPolicy(ABC):
         The parts not given take their declared defaults, in declaration order, each at most what is left; the rest
         part (or, when it was given, the last part not given) takes what remains. A policy without parts ignores the
         cache size. Anything in `given` that is not a part (settings, tokenizer-derived fields) goes to the
-        constructor as it is. `make_policy` validates the values first; override this for a split the declarations
-        cannot say.
+        constructor as it is. `make_policy` validates the values first.
         """
         parts = {name: value for name, value in given.items() if name in cls._part_names}
         others = {name: value for name, value in given.items() if name not in cls._part_names}
@@ -208,7 +136,10 @@ class EvictionPolicy(ABC):
             check_count(part.name, getattr(self, part.name))
         if self.parts and self.budget < 1:
             raise H2OStreamError(f"{self.name} policy needs {' + '.join(self.part_names())} >= 1")
+        for option in self.options:
+            setattr(self, option.name, option.check(getattr(self, option.name)))
 
+    # -- the budget ---------------------------------------------------------------------------------------------
     @property
     def budget(self) -> int | None:
         """Entries kept per layer and KV head between steps (the sum of the parts); None means unbounded."""
@@ -219,51 +150,147 @@ class EvictionPolicy(ABC):
             total += getattr(self, name)
         return total
 
-    def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
-        """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n).
+    @property
+    def protected_sinks(self) -> int:
+        """The stream's first entries, never cut (the `sinks` part; 0 without one)."""
+        return getattr(self, "sinks", 0) if "sinks" in self._part_names else 0
 
-        `received` is what `score_heads` and `score_queries` say (per KV head or the layer's mean, all of a chunk's
-        queries, weighted by `query_weights`, or the last; with `score_squares` both have a last axis of 2, the sum
-        and the sum of squares); a new entry's score starts at 0; `steps` is the number of queries (tokens) in the
-        forward. The default accumulates (H2O); a policy may decay the old scores first
-        (A2SF) or keep only the latest attention (TOVA). Called only with `needs_scores`.
-        """
-        scores += received
+    @property
+    def protected_recent(self) -> int:
+        """The newest entries, never cut (the `recent` part; 0 without one)."""
+        return getattr(self, "recent", 0) if "recent" in self._part_names else 0
+
+    @property
+    def ranked_slots(self) -> int:
+        """Slots filled by rank: the budget less the protected ends."""
+        return self.budget - self.protected_sinks - self.protected_recent
+
+    # -- scores -------------------------------------------------------------------------------------------------
+    @property
+    def score_heads(self) -> str:
+        """Whose attention makes a score: "kv" (per KV head, its query heads summed) or "layer" (the mean over every
+        query head of the layer)."""
+        heads = "kv" if self.scoring is None else self.scoring.heads
+        if heads in ("kv", "layer"):
+            return heads
+        return "kv" if getattr(self, heads) else "layer"
+
+    @property
+    def score_window(self) -> int:
+        """The observation window of "window" scores (the last queries whose attention counts), else 0."""
+        if self.scoring is None or self.scoring.accumulate != "window":
+            return 0
+        window = self.scoring.window
+        return int(getattr(self, window) if isinstance(window, str) else window)
+
+    @property
+    def score_moments(self) -> tuple[int, ...]:
+        """The trailing shape of one entry's score: (2,) for "moments" (sum, sum of squares), (window,) for "window"
+        (one column per query of the window, oldest first), else ()."""
+        if self.score_squares:
+            return (2,)
+        return (self.score_window,) if self.score_window else ()
+
+    @property
+    def decay(self) -> float:
+        """The factor old scores are multiplied by at each step (1 but for "decay" scores)."""
+        if self.scoring is None or self.scoring.accumulate != "decay":
+            return 1.0
+        decay = self.scoring.decay
+        return float(getattr(self, decay) if isinstance(decay, str) else decay)
+
+    def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
+        """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
+        `received` as `score_heads` and `score_queries` say (weighted by `query_weights`); `steps` is the number of
+        queries (tokens) in the forward. Called only with `needs_scores`."""
+        accumulate = self.scoring.accumulate
+        if accumulate == "latest":
+            scores.copy_(received)  # only the current query's attention counts
+        elif accumulate == "window":  # received: one column per query, the forward's last ones (oldest first)
+            arrived = received.shape[-1]
+            if arrived >= scores.shape[-1]:
+                scores.copy_(received[..., -scores.shape[-1]:])
+            else:  # the window moves on by the forward's queries
+                scores[..., :-arrived] = scores[..., arrived:].clone()
+                scores[..., -arrived:] = received
+        elif accumulate == "decay":
+            scores.mul_(self.decay ** steps).add_(received)  # `steps` decays, as many steps would
+        else:
+            scores += received
 
     def query_weights(self, length: int) -> torch.Tensor | None:
-        """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). A
-        policy whose scores decay at every step weighs query i by the decay of the steps after it, so that a chunk
-        leaves the scores its steps would (A2SF: alpha ** (length - 1 - i))."""
-        return None
+        """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). Scores
+        that decay weigh query i by the decay of the steps after it, so that a chunk leaves the scores its steps
+        would: decay ** (length - 1 - i)."""
+        if self.scoring is None or self.scoring.accumulate != "decay":
+            return None
+        return _decays(self.decay, length)
 
-    @abstractmethod
-    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        """Slots to keep, shape (batch, kv_heads, budget), ascending so stream order is preserved.
+    # -- cuts ---------------------------------------------------------------------------------------------------
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor) -> torch.Tensor:
+        """Slots to keep, shape (batch, kv_heads, budget), ascending so stream order is preserved: the sinks, the
+        `ranked_slots` highest ranks between them and the recent window (ties to the older entry), the recent window.
 
-        `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` has the same shape
-        (plus a last axis of 2 with `score_squares`; see `update_scores`) or is None when `needs_scores` is False.
-        Called only when n > budget. A policy with `needs_keys` is also given `keys=` (batch, kv_heads, n,
-        head_dim), the keys as the layer stores them (un-rotated when rolling, rotated at their stream positions
-        without); one with `needs_tokens` is given `tokens=` (batch, kv_heads, n), each entry's token id. A score
-        normalised by age divides by `ages(positions)` (roco).
-        """
+        `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` the same shape (plus a
+        last axis of 2 for "moments") or None without scoring; `keys=` (batch, kv_heads, n, head_dim) with
+        `needs_keys`, `tokens=` with `needs_tokens`. Called only when n > budget."""
+        from .ranking import RANKERS
+
+        sinks, recent = self.protected_sinks, self.protected_recent
+        if self.ranking == "age":
+            import torch
+            # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
+            n = positions.shape[-1]
+            return torch.cat([first_slots(sinks, positions), last_slots(n, recent, positions)], dim=-1)
+        ranks = RANKERS[self.ranking](self, positions, scores, **extra)
+        return keep_top(ranks, self.ranked_slots, sinks=sinks, recent=recent)
 
     def keep_twice(self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None,
                    **extra: torch.Tensor) -> torch.Tensor:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
-        keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. Arguments as for `keep`
-        (n > self.budget). A fair chunk of a policy whose cuts do not nest needs both cuts before the next chunk;
-        made as one, the layer gathers its tensors once. The default keeps, then keeps among the survivors; a
-        policy may answer both at once more cheaply (keydiff), with the same slots."""
+        keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. A fair chunk of a policy
+        whose cuts do not nest needs both before the next chunk; made as one, the layer gathers its tensors once."""
+        if self.ranking == "key_diversity":
+            from .ranking import key_diversity_twice
+
+            both = key_diversity_twice(self, then, positions, **extra)
+            if both is not None:
+                return both
         first = self.keep(positions, scores, **extra)
         second = then.keep(at_slots(positions, first), None if scores is None else at_slots(scores, first),
                            **{name: at_slots(value, first) for name, value in extra.items()})
         return first.gather(-1, second)
 
+    @property
+    def cuts_nest(self) -> bool:
+        """Whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
+        (the scores unchanged in between): True for a ranking that is one fixed order of the entries ("score",
+        "token_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity", whose
+        anchor is the mean of the keys held, nor "pooled", whose ranks depend on the neighbours an earlier cut left. Between two fair chunks such a policy then makes one cut, with
+        `reduced`; any other makes both at once (`keep_twice`)."""
+        if self.ranking == "mean":
+            return self.protected_recent >= 1
+        return self.ranking in ("score", "token_class")
+
+    def band(self) -> tuple[int, int] | None:
+        """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
+        predecessors (ranking "age", no scores): no decision inside a chunk, so chunked mode can equal exact mode
+        with a banded mask. None for every other policy."""
+        if self.ranking != "age" or self.scoring is not None or self.budget is None:
+            return None
+        return self.protected_sinks, self.protected_recent
+
     def drop_one(self) -> DropOne | None:
-        """How this policy's exact-mode cut of one entry is made (`DropOne`), if it is that simple, so that exact mode
-        may run compiled (`engine/compiled.py`); None (the default) keeps exact mode on the tensor operations."""
-        return None
+        """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: rankings
+        "age", "score" and "mean"; None for the others (exact mode stays on the tensor operations)."""
+        if self.budget is None or self.ranking not in ("age", "score", "mean"):
+            return None
+        rule = DropOne(sinks=self.protected_sinks, recent=self.protected_recent, ranked=self.ranking != "age")
+        if self.ranking == "score":
+            return dataclasses.replace(rule, decay=self.decay, latest_only=self.score_queries == "last")
+        if self.ranking == "mean":
+            return dataclasses.replace(rule, by_mean=True, volatile=getattr(self, "volatile", 0))
+        return rule
 
     def reduced(self, budget: int) -> EvictionPolicy:
         """This policy with a smaller `budget` (>= 1): what a fair chunk of C tokens keeps before it runs, at
@@ -277,12 +304,7 @@ class EvictionPolicy(ABC):
             raise H2OStreamError(f"{self.describe()} cannot be reduced to {budget} slots")
         return dataclasses.replace(self, **shrink_parts(self.split(), self.budget - budget))
 
-    def band(self) -> tuple[int, int] | None:
-        """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
-        predecessors. Such policies need no decision inside a chunk, so chunked mode can equal exact mode with a
-        banded mask. None for policies that decide from scores (or never evict)."""
-        return None
-
+    # -- description ----------------------------------------------------------------------------------------------
     def split(self) -> dict[str, int]:
         """The declared parts and their values, e.g. {'heavy': 128, 'recent': 128}."""
         return {part.name: getattr(self, part.name) for part in self.parts}
@@ -297,47 +319,9 @@ class EvictionPolicy(ABC):
         return {"policy": self.name, **vars(self)}
 
 
-def split_budget(parts: tuple[Part, ...], cache_size: int, given: dict[str, int]) -> dict[str, int]:
-    """`given` completed to every part (declaration order); see `EvictionPolicy.from_budget`."""
-    values = {name: value for name, value in given.items() if value is not None}
-    missing = [part for part in parts if part.name not in values]
-    if missing:
-        rest = next((part for part in missing if part.is_rest), missing[-1])
-        left = cache_size - sum(values.values())
-        if left < 0:
-            shown = " + ".join(f"{k}={v}" for k, v in values.items())
-            raise H2OStreamError(f"{shown} exceeds the cache size ({cache_size})")
-        for part in missing:
-            if part is not rest:
-                values[part.name] = min(part.default(cache_size), left)
-                left -= values[part.name]
-        values[rest.name] = left
-    return {part.name: values[part.name] for part in parts}
-
-
-def shrink_parts(parts: dict[str, int], cut: int) -> dict[str, int]:
-    """`parts` (name -> slots) with `cut` slots fewer: see `EvictionPolicy.reduced`."""
-    values = dict(parts)
-    shrinkable = [name for name in values if name != SINKS.name]
-    total = sum(values[name] for name in shrinkable)
-    if cut >= total:
-        for name in shrinkable:
-            values[name] = 0
-        if SINKS.name in values:
-            values[SINKS.name] -= cut - total
-        return values
-    shares = {name: cut * values[name] / total for name in shrinkable}
-    taken = {name: math.floor(share) for name, share in shares.items()}
-    by_remainder = sorted(shrinkable, key=lambda name: -(shares[name] - taken[name]))  # stable: declaration order
-    for name in by_remainder[: cut - sum(taken.values())]:
-        taken[name] += 1
-    return {name: value - taken.get(name, 0) for name, value in values.items()}
-
-
-def check_count(name: str, value: int, *, minimum: int = 0) -> int:
-    """`value` if it is an integer >= minimum, else a clear H2OStreamError naming it."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise H2OStreamError(f"{name} must be an integer, got {value!r}")
-    if value < minimum:
-        raise H2OStreamError(f"{name} must be >= {minimum}, got {value}")
-    return value
+@memoised(32)
+def _decays(alpha: float, length: int) -> torch.Tensor:
+    """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
+    Memoised (every layer of every chunk asks for the same); never modify the result."""
+    import torch
+    return alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)

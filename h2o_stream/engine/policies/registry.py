@@ -20,8 +20,6 @@ def register(cls: type[EvictionPolicy]) -> type[EvictionPolicy]:
         raise H2OStreamError(f"{cls.__qualname__}.parts needs distinct names and at most one rest part")
     if set(cls.option_names()) & set(names) or len(set(cls.option_names())) != len(cls.options):
         raise H2OStreamError(f"{cls.__qualname__}.options need distinct names, none of them a part's")
-    if cls.score_squares and not (cls.needs_scores and cls.score_heads == "kv"):
-        raise H2OStreamError(f"{cls.__qualname__}.score_squares needs needs_scores and per-KV-head scores")
     known = POLICIES.get(name)
     if known is not None and (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
         raise H2OStreamError(f"policy name {name!r} is taken by {known.__module__}.{known.__qualname__}")

@@ -18,13 +18,8 @@ recent 10, volatile 67, heavy 179); `--volatile 67` gives that split. Default mo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
-    import torch
-
-from .base import DropOne, EvictionPolicy, Part
-from .slots import ages, last_slots, top_slots
+from .base import EvictionPolicy, Part, Scores
 from .registry import register
 
 
@@ -35,36 +30,13 @@ class RoCoPolicy(EvictionPolicy):
     heavy: int
     recent: int
     name = "roco"
-    needs_scores = True
-    score_squares = True
-    # exact mode by default: chunks up to its window + 1 (8) sat below exact mode (eval/results/quality/gap.json)
-    # and ran slower than exact mode does compiled (eval/results/speed/exact_scan.json)
-    fair_chunk_share = 0.0
     parts = (Part("volatile", "slots for the entries whose attention varies most (never judged by their mean)",
                   share=0.3),
              Part("heavy", "slots for the highest mean attention (over their time in the cache) among the steadier "
                            "entries"),
              Part("recent", "recent-window slots, the last entries", fixed=10))  # the official code's 10 newest
-
-    @property
-    def cuts_nest(self) -> bool:
-        # Ages count from the newest entry; a cut that keeps it leaves every mean and variance as they were.
-        return self.recent >= 1
-
-    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None) -> torch.Tensor:
-        import torch
-        n = positions.shape[-1]
-        others = n - self.recent
-        age = ages(positions)[..., :others].to(scores.dtype)
-        mean = scores[..., :others, 0] / age
-        variance = scores[..., :others, 1] / age - mean.square()
-        # The volatile entries ranked above every mean, then the top volatile + heavy of that order: the volatile
-        # and, among the rest, the highest means, in slot order, from one ranking (keep runs per layer and block;
-        # in exact mode it drops one entry without a sort). top_slots gives ties to the older entry.
-        volatile = top_slots(variance, self.volatile, in_slot_order=False)
-        ranks = mean.scatter(-1, volatile, float("inf"))
-        kept = top_slots(ranks, self.volatile + self.heavy)
-        return torch.cat([kept, last_slots(n, self.recent, positions)], dim=-1)
-
-    def drop_one(self) -> DropOne:
-        return DropOne(sinks=0, recent=self.recent, ranked=True, by_mean=True, volatile=self.volatile)
+    scoring = Scores("moments")
+    ranking = "mean"  # the `volatile` of highest variance first, then the highest means
+    # exact mode by default: chunks up to its window + 1 (8) sat below exact mode (eval/results/quality/gap.json)
+    # and ran slower than exact mode does compiled (eval/results/speed/exact_scan.json)
+    fair_chunk_share = 0.0

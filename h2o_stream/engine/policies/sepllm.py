@@ -15,16 +15,10 @@ Default split: 4 sinks, a fifth of the cache separators, the rest recent (SepLLM
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
-    import torch
 
 from h2o_stream.errors import H2OStreamError
 
-from ..memo import memoised
 from .base import RECENT, SINKS, EvictionPolicy, Part
-from .slots import keep_top
 from .registry import register
 
 #: SepLLM's separators: a token made only of these (and at least one of them) is a separator
@@ -40,12 +34,6 @@ def separator_ids(tokenizer) -> tuple[int, ...]:
                                                                   for c in text))
 
 
-@memoised(8)
-def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    import torch
-    return torch.tensor(ids, dtype=torch.long, device=device)
-
-
 @register
 @dataclass
 class SepLLMPolicy(EvictionPolicy):
@@ -54,11 +42,9 @@ class SepLLMPolicy(EvictionPolicy):
     recent: int
     separator_ids: tuple[int, ...]
     name = "sepllm"
-    needs_tokens = True
-    needs_tokenizer = True
-    cuts_nest = True
     parts = (SINKS, Part("separators", "separator-token slots, the most recent punctuation/newline tokens",
                          share=0.2), RECENT)
+    ranking = "token_class"  # separators above the rest, newer above older within each
 
     def __post_init__(self):
         super().__post_init__()
@@ -71,16 +57,6 @@ class SepLLMPolicy(EvictionPolicy):
     @classmethod
     def tokenizer_settings(cls, tokenizer) -> dict:
         return {"separator_ids": separator_ids(tokenizer)}
-
-    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, *, tokens: torch.Tensor) -> torch.Tensor:
-        # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
-        import torch
-        n = positions.shape[-1]
-        middle = tokens[..., self.sinks: n - self.recent]
-        is_separator = torch.isin(middle, _id_tensor(self.separator_ids, middle.device))
-        # Rank separators above the rest, newer above older within each: (is separator, slot), as one number.
-        ranks = is_separator.long() * n + torch.arange(middle.shape[-1], device=middle.device)
-        return keep_top(ranks, self.separators, sinks=self.sinks, recent=self.recent)
 
     def describe(self) -> str:
         return (f"{self.name}(sinks={self.sinks}, separators={self.separators}, recent={self.recent}; "
