@@ -90,6 +90,8 @@ class Rules:
     ranking: str | None  # age / score / mean / key_diversity / token_class
     separator_ids: frozenset = frozenset()
     window: int = 0  # "window": the latest queries whose attention counts
+    schedule: str | None = None  # "pyramid": the ranked part spread over the layers
+    beta: int = 1
     kernel: int = 1  # "pooled": neighbouring slots pooled, centred
     max_pool: bool = False
 
@@ -106,8 +108,25 @@ class Rules:
         window = 0 if scoring is None else scoring.window
         window = int(getattr(policy, window) if isinstance(window, str) else window)
         return cls(parts, accumulate, heads == "layer", decay, type(policy).ranking,
-                   frozenset(getattr(policy, "separator_ids", ())), window, getattr(policy, "kernel", 1),
-                   getattr(policy, "max_pool", False))
+                   frozenset(getattr(policy, "separator_ids", ())), window=window, kernel=getattr(policy, "kernel", 1),
+                   max_pool=getattr(policy, "max_pool", False), schedule=type(policy).layer_schedule,
+                   beta=getattr(policy, "beta", 1))
+
+    def layer_parts(self, layers: int) -> list[dict[str, int]]:
+        """Each layer's parts: the declared ones everywhere, or (pyramid) the one ranked part running in equal
+        steps from 2 * ranked - ranked // beta in the lowest layer down to ranked // beta in the highest, rounded to
+        whole slots with the same total (the largest remainders one more, ties to the lower layer)."""
+        if self.schedule is None or layers == 1:
+            return [dict(self.parts) for _ in range(layers)]
+        (name,) = [n for n in self.parts if n not in ("sinks", "recent")]
+        ranked = self.parts[name]
+        low, high = ranked // self.beta, 2 * ranked - ranked // self.beta
+        exact = [high - (high - low) * layer / (layers - 1) for layer in range(layers)]
+        slots = [math.floor(x) for x in exact]
+        order = sorted(range(layers), key=lambda layer: (-(exact[layer] - slots[layer]), layer))
+        for layer in order[: layers * ranked - sum(slots)]:
+            slots[layer] += 1
+        return [{**self.parts, name: value} for value in slots]
 
 
 class Oracle:
@@ -120,8 +139,7 @@ class Oracle:
         assert rules.ranking in self.RANKINGS, f"no cut rules for {rules.ranking!r} here: spell them out in `cut`"
         self.model = model
         self.rules = rules
-        self.parts = dict(rules.parts)
-        self.budget = sum(self.parts.values()) if self.parts else None
+        self.parts = rules.layer_parts(config.num_hidden_layers)  # per layer
         self.rolling = rolling
         self.head_dim = config.hidden_size // config.num_attention_heads
         theta = config.rope_parameters["rope_theta"]
@@ -162,40 +180,45 @@ class Oracle:
         the policy's score rule ("latest": the chunk's last query alone, as the official TOVA code does for a
         prompt); then the cut to the budget.
         """
-        assert self.budget is not None and not (self.rules.ranking == "age" and self.rules.accumulate is None)
-        kept = self.budget + 1 - len(tokens)
-        saved = dict(self.parts), self.budget
-        cut = self.budget - kept
-        declared = list(self.parts)  # declaration order
-        others = [n for n in declared if n != "sinks" and self.parts[n]]
-        total = sum(self.parts[n] for n in others)
-        if cut >= total:
-            for n in others:
-                self.parts[n] = 0
-            self.parts["sinks"] -= cut - total
-        else:  # each other part gives up its share of the cut; the largest remainders give one slot more
-            shares = {n: cut * self.parts[n] / total for n in others}
-            order = sorted(others, key=lambda n: (-(shares[n] - math.floor(shares[n])), declared.index(n)))
-            extra = cut - sum(math.floor(share) for share in shares.values())
-            for i, n in enumerate(order):
-                self.parts[n] -= math.floor(shares[n]) + (1 if i < extra else 0)
-        self.budget = kept
-        for heads in self.entries:
+        assert self.rules.parts and not (self.rules.ranking == "age" and self.rules.accumulate is None)
+        for layer, heads in enumerate(self.entries):
+            smaller = self.reduced(self.parts[layer], sum(self.parts[layer].values()) + 1 - len(tokens))
             for h in range(len(heads)):
-                heads[h] = self.cut(heads[h])
-        self.parts, self.budget = saved
+                heads[h] = self.cut(heads[h], smaller)
         self.received = {}
         try:
             logits = torch.stack([self.step(token) for token in tokens])
         finally:
             received, self.received = self.received, None
-        for heads in self.entries:
+        for layer, heads in enumerate(self.entries):
             for h in range(len(heads)):
                 for e in heads[h]:
                     if id(e) in received:
                         self.take_score(e, received[id(e)])
-                heads[h] = self.cut(heads[h])
+                heads[h] = self.cut(heads[h], self.parts[layer])
         return logits
+
+    @staticmethod
+    def reduced(parts: dict[str, int], kept: int) -> dict[str, int]:
+        """`parts` cut down to `kept` slots: every part but the sinks gives up its share of the cut in proportion to
+        its size (the largest remainders one slot more, ties to the part declared first), the sinks only if nothing
+        else is left."""
+        parts = dict(parts)
+        cut = sum(parts.values()) - kept
+        declared = list(parts)  # declaration order
+        others = [n for n in declared if n != "sinks" and parts[n]]
+        total = sum(parts[n] for n in others)
+        if cut >= total:
+            for n in others:
+                parts[n] = 0
+            parts["sinks"] -= cut - total
+            return parts
+        shares = {n: cut * parts[n] / total for n in others}
+        order = sorted(others, key=lambda n: (-(shares[n] - math.floor(shares[n])), declared.index(n)))
+        extra = cut - sum(math.floor(share) for share in shares.values())
+        for i, n in enumerate(order):
+            parts[n] -= math.floor(shares[n]) + (1 if i < extra else 0)
+        return parts
 
     def kept_positions(self, layer: int, head: int) -> list[int]:
         return [e.position for e in self.entries[layer][head]]
@@ -227,7 +250,7 @@ class Oracle:
         self.score(heads, probs_of)
         if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
             for h in range(len(heads)):
-                heads[h] = self.cut(heads[h])
+                heads[h] = self.cut(heads[h], self.parts[layer])
         return torch.stack(outputs)
 
     def score(self, heads: list[list[Entry]], probs_of: list[list[float]]) -> None:
@@ -263,11 +286,12 @@ class Oracle:
         else:
             e.score += received
 
-    def cut(self, entries: list[Entry]) -> list[Entry]:
-        if self.budget is None or len(entries) <= self.budget:
+    def cut(self, entries: list[Entry], parts: dict[str, int]) -> list[Entry]:
+        budget = sum(parts.values())
+        if not parts or len(entries) <= budget:
             return entries
-        sinks_part, recent_part = self.parts.get("sinks", 0), self.parts.get("recent", 0)
-        ranked = self.budget - sinks_part - recent_part
+        sinks_part, recent_part = parts.get("sinks", 0), parts.get("recent", 0)
+        ranked = budget - sinks_part - recent_part
         split = len(entries) - recent_part
         recent = entries[split:]
         sinks = [e for e in entries[:split] if e.position < sinks_part]
@@ -285,7 +309,7 @@ class Oracle:
             newest = entries[-1].position
             mean = {id(e): e.score / (newest - e.position + 1) for e in others}
             variance = {id(e): e.square / (newest - e.position + 1) - mean[id(e)] ** 2 for e in others}
-            volatile = sorted(others, key=lambda e: (-variance[id(e)], e.position))[: self.parts.get("volatile", 0)]
+            volatile = sorted(others, key=lambda e: (-variance[id(e)], e.position))[: parts.get("volatile", 0)]
             steady = [e for e in others if all(e is not v for v in volatile)]
             chosen = volatile + sorted(steady, key=lambda e: (-mean[id(e)], e.position))[: ranked - len(volatile)]
         elif ranking == "pooled":

@@ -17,7 +17,13 @@ TOKENIZER = char_tokenizer()
 
 
 def build(name: str, cache_size: int | None = None, **parts) -> EvictionPolicy:
-    """`make_policy(name, cache_size, **parts)` with the tiny models' tokenizer (used only by policies needing one)."""
+    """`make_policy(name, cache_size, **parts)` with the tiny models' tokenizer (used only by policies needing one).
+
+    A policy with a per-layer schedule (pyramid) gets half the cache as its recent window and beta 2 unless given:
+    at its defaults the highest layer of a cache of 8 keeps a single entry, too few for the chunks (up to 5) the
+    tests feed; so its smallest layer keeps 6 of 8 and every layer takes them."""
+    if POLICIES[name].layer_schedule is not None and cache_size:
+        parts = {"recent": cache_size // 2, "beta": 2, **parts}
     return make_policy(name, cache_size, tokenizer=TOKENIZER, **parts)
 
 

@@ -29,7 +29,8 @@ def base(ppl_model_dir, tmp_path):
 
 
 def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_path, capsys):
-    code, out, err = ppl(capsys, *base, "--policy", ",".join(ALL), "--alpha", 0.9, "--per-head")
+    # pyramid's highest layer keeps only 2 of 16 at beta 20, fewer than a chunk of 8: beta 2 leaves it 9
+    code, out, err = ppl(capsys, *base, "--policy", ",".join(ALL), "--alpha", 0.9, "--per-head", "--beta", 2)
     assert code == 0, err
     runs = [json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json") if path.name != "summary.json"]
     results = {record["settings"]["policy"]: record for record in runs}
@@ -39,6 +40,7 @@ def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_pat
     assert settings["tova"]["states"] == 16 and settings["a2sf"]["heavy"] + settings["a2sf"]["recent"] == 16
     assert settings["sepllm"]["separator_ids"]  # the char tokenizer's '.', ',' and ' ' are separators
     assert "alpha" not in settings["tova"] and "per_head" not in settings["a2sf"]
+    assert settings["pyramid"]["beta"] == 2 and "beta" not in settings["snapkv"]
     for name, record in results.items():
         assert settings[name]["policy"] == name and record["predicted_tokens"] == 59, record
 
@@ -54,6 +56,22 @@ def test_a_bad_setting_value_is_one_error_line(base, tmp_path, capsys):
     message = ppl_error(capsys, *base, "--policy", ZOO, "--alpha", 1.5)
     assert "alpha (the a2sf forgetting factor) must be a number in (0, 1], got 1.5" in message
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--kernel", 0, "kernel must be an odd whole number in (0, 4095], got 0"),
+    ("--kernel", 4, "kernel must be an odd whole number in (0, 4095], got 4"),
+    ("--beta", 0, "beta must be a whole number in (0, 1000], got 0"),
+])
+def test_a_bad_snapkv_or_pyramid_setting_is_one_error_line(base, tmp_path, capsys, option, value, message):
+    assert message in ppl_error(capsys, *base, "--policy", "snapkv,pyramid" if option == "--kernel" else "pyramid",
+                                option, value)
+    assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
+
+
+def test_a_pyramid_layer_narrower_than_the_chunk_is_one_error_line(base, capsys):
+    message = ppl_error(capsys, *base, "--policy", "pyramid")  # beta 20: the highest layer keeps 2 of 16
+    assert "a chunk size of at most its smallest layer's budget (2)" in message
 
 
 @pytest.mark.parametrize("policies, option, value", [("a2sf", "--per-head", None), ("h2o,tova", "--alpha", 0.5)])

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine.layer_types import layer_windows
+from h2o_stream.engine.policies import POLICIES
 
 
 def stream_logits(model, cache, ids, chunk=1):
@@ -23,7 +24,8 @@ EVERY_LAYER_SLIDES = {"mistral_sliding"}
 
 
 @pytest.mark.parametrize("family, policy", [(family, policy) for family in sorted(FAMILIES) for policy in ALL
-                                            if family not in EVERY_LAYER_SLIDES or policy in ("full", "window")])
+                                            if (family not in EVERY_LAYER_SLIDES or policy in ("full", "window"))
+                                            and POLICIES[policy].layer_schedule is None])  # (its budget is a mean)
 def test_budget_covering_stream_reproduces_plain_forward(family, policy):
     model = tiny_model(family)
     ids = random_ids(48)
@@ -64,8 +66,8 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
                    for layer in cache.layers)
 
 
-@pytest.mark.parametrize("policy", EVICTING)
-def test_cache_tensors_stop_growing_at_the_budget(policy):
+@pytest.mark.parametrize("policy", [name for name in EVICTING if POLICIES[name].layer_schedule is None])
+def test_cache_tensors_stop_growing_at_the_budget(policy):  # pyramid's per layer: tests/test_pyramid.py
     model = tiny_model("llama")
     cache = StreamingCache(model, build(policy, 12))
     ids = random_ids(60)

@@ -36,14 +36,19 @@ def test_fair_chunks_agree_with_the_oracle(policy, kv_heads, rolling, chunk):
         oracle_logits = oracle.chunk(piece[0].tolist())
         assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"chunk at {start}"
         if (start // chunk) % 2:
-            assert all(layer.slots <= budget + 1 for layer in cache.layers)
+            assert all(layer.slots <= layer.policy.budget + 1 for layer in cache.layers)
             continue  # any pending cut stays for the next chunk's make_room
         cache.settle()
         for layer_idx, layer in enumerate(cache.layers):
             for head in range(kv_heads):
                 assert layer.positions[0, head].tolist() == oracle.kept_positions(layer_idx, head), (start, layer_idx)
     assert cache.evicted > 0
-    assert cache.max_keys_seen == budget + 1
+    assert cache.max_keys_seen == widest_budget(cache) + 1
+
+
+def widest_budget(cache) -> int:
+    """The largest budget of a layer: the cache's budget, or with a per-layer schedule (pyramid) its lowest layer's."""
+    return max(policy.budget for policy in cache.layer_policies)
 
 
 @pytest.mark.parametrize("policy", EVICTING)
@@ -69,8 +74,8 @@ def test_no_query_sees_more_than_budget_plus_one_keys(policy, monkeypatch):
     ids = random_ids(80)
     for start in range(0, 80, chunk):
         model(ids[:, start:start + chunk], cache=cache)
-    assert max(widest) == budget + 1
-    assert cache.max_keys_seen == budget + 1
+    assert max(widest) == widest_budget(cache) + 1
+    assert cache.max_keys_seen == widest_budget(cache) + 1
 
 
 def _widest_row(mask, q_len: int, k_len: int) -> int:
@@ -92,9 +97,13 @@ def test_wide_chunks_let_queries_see_the_cache_plus_the_chunk(policy):
     outputs = {}
     for name, cache in (("fair", fair), ("wide", wide)):
         outputs[name] = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0] for s in range(0, 64, chunk)])
-    assert wide.max_keys_seen == budget + chunk and fair.max_keys_seen == budget + 1
+    assert wide.max_keys_seen == widest_budget(wide) + chunk and fair.max_keys_seen == widest_budget(fair) + 1
     assert not torch.allclose(outputs["fair"][chunk * 3:], outputs["wide"][chunk * 3:])
-    assert torch.equal(outputs["fair"][:budget], outputs["wide"][:budget])  # same until the first cut
+    # the same until the first fair cut: before the first chunk that finds more than budget + 1 - chunk entries (the
+    # smallest layer's budget, with a per-layer schedule); at 16 and chunks of 8, the first 16 tokens
+    narrowest = min(policy.budget for policy in fair.layer_policies)
+    same = chunk * (1 + (narrowest + 1 - chunk) // chunk)
+    assert torch.equal(outputs["fair"][:same], outputs["wide"][:same])
 
 
 @pytest.mark.parametrize("policy", BANDED + ["full"])
@@ -200,4 +209,4 @@ def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, s
     assert left_cache.evicted == settled_cache.evicted > 0  # reading evicted settles the first cache too
     for mine, theirs in zip(left_cache.layers, settled_cache.layers):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.keys, theirs.keys)
-        assert mine.slots == theirs.slots == 8
+        assert mine.slots == theirs.slots == mine.policy.budget

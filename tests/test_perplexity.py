@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from policy_matrix import BANDED, SCORED
+from policy_matrix import BANDED, SCORED, build
 from ppl_helpers import TEXT, ppl, write_corpus
 from tiny_models import char_tokenizer, random_ids, tiny_model
 
@@ -42,7 +42,7 @@ def test_chunked_scored_policies_differ_from_exact_but_stay_close(policy):
     """Chunked H2O attends over budget + chunk keys and decides once per chunk: not equal, measured in eval/."""
     model = tiny_model("llama", init_std=0.2)
     ids = random_ids(300)[0]
-    spec = make_policy(policy, 24)
+    spec = build(policy, 24)
     exact, chunked = token_nlls(model, spec, ids, 1), token_nlls(model, spec, ids, 16)
     assert not torch.allclose(exact, chunked, atol=1e-4)
     assert abs(exact.mean() - chunked.mean()) < 0.1 * exact.mean()

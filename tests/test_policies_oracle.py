@@ -28,6 +28,7 @@ VARIANTS = {
     "snapkv": lambda: make_policy("snapkv", BUDGET, heavy=5, recent=3, observation=3, kernel=3),
     "snapkv-max-pool": lambda: make_policy("snapkv", BUDGET, heavy=6, recent=2, observation=4, kernel=3,
                                            max_pool=True),
+    "pyramid": lambda: make_policy("pyramid", BUDGET, heavy=5, recent=3, observation=3, kernel=3, beta=2),
     "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
 }
 

@@ -10,6 +10,7 @@ from policy_matrix import BANDED, EVICTING, build
 from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import StreamingCache
+from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
 
 UNBANDED = [name for name in EVICTING if name not in BANDED]
@@ -52,13 +53,22 @@ def _feed_both(policy, *, kv_heads, rolling, step, forward, wide_chunks=False, l
         yield scanned, plain, wide_logits, torch.cat(logits)
 
 
+def _tolerance(policy) -> float:
+    """Bit for bit but for rounding of wider products (1e-9), or 1e-5 for a policy with a per-layer schedule: a layer
+    on slots of its own is moved there from where the model rotated its tokens (un-rotated and rotated again by the
+    roller's tables), and a scan moves by other distances than one forward per block does; the model's rotary runs
+    in float32, so each move rounds at ~1e-7."""
+    return 1e-9 if POLICIES[policy].layer_schedule is None else 1e-5
+
+
 def _same_entries(scanned, plain):
+    atol = _tolerance(scanned.policy.name)
     for mine, theirs in zip(scanned.layers, plain.layers):
         assert torch.equal(mine.positions, theirs.positions)
-        assert torch.allclose(mine.keys, theirs.keys, atol=1e-9)
+        assert torch.allclose(mine.keys, theirs.keys, atol=atol)
         assert (mine.scores is None) == (theirs.scores is None) == (not mine.policy.needs_scores)
         if mine.scores is not None:
-            assert torch.allclose(mine.scores, theirs.scores, atol=1e-9)
+            assert torch.allclose(mine.scores, theirs.scores, atol=atol)
 
 
 @pytest.mark.parametrize("policy", UNBANDED)
@@ -69,17 +79,17 @@ def test_a_scan_equals_its_blocks_fed_one_forward_each(policy, kv_heads, rolling
     every token and the kept entries, keys and scores of every layer after every forward, over 10x the budget."""
     evicted = False
     for scanned, plain, wide, blocks in _feed_both(policy, kv_heads=kv_heads, rolling=rolling, step=3, forward=7):
-        assert torch.allclose(wide, blocks, atol=1e-9, rtol=0)
+        assert torch.allclose(wide, blocks, atol=_tolerance(policy), rtol=0)
         _same_entries(scanned, plain)
         evicted = evicted or scanned.evicted > 0
     assert evicted and scanned.evicted == plain.evicted
-    assert scanned.max_keys_seen == plain.max_keys_seen == 9
+    assert scanned.max_keys_seen == plain.max_keys_seen == max(p.budget for p in scanned.layer_policies) + 1
 
 
 @pytest.mark.parametrize("policy", UNBANDED)
 def test_a_scan_of_single_tokens_is_exact_mode(policy):
     for scanned, plain, wide, tokens in _feed_both(policy, kv_heads=2, rolling=True, step=1, forward=16):
-        assert torch.allclose(wide, tokens, atol=1e-9, rtol=0)
+        assert torch.allclose(wide, tokens, atol=_tolerance(policy), rtol=0)
         _same_entries(scanned, plain)
 
 

@@ -73,23 +73,30 @@ class StreamingCache(Cache):
                  decide_every: int | None = None, sliding: str = "window"):
         config = model.config.get_text_config(decoder=True)
         rollers = RopeRoller.for_layers(model) if rolling else [None] * config.num_hidden_layers
-        budget = policy.budget
-        context = getattr(config, "max_position_embeddings", None)
-        if rolling and budget is not None and context is not None and budget + 1 > context:
-            raise H2OStreamError(
-                f"cache size {budget} does not fit the model's context of {context} positions "
-                f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
-        # Each layer's own policy (layer_types.py): sliding-window layers keep their window by default.
-        windows = layer_windows(config)
+        # Each layer's own policy (layer_types.py): sliding-window layers keep their window by default, and a policy
+        # with a per-layer schedule (pyramid) its own budget in every global layer.
+        windows = self._windows = layer_windows(config)
         self._slides = any(window is not None for window in windows)  # checkpoints record the sliding mode then
         policies = layer_policies(policy, windows, sliding)
+        budget = max((p.budget for p in policies if p.budget is not None), default=None)
+        context = getattr(config, "max_position_embeddings", None)
+        if rolling and budget is not None and context is not None and budget + 1 > context:
+            if policy.layer_schedule is None:
+                raise H2OStreamError(
+                    f"cache size {budget} does not fit the model's context of {context} positions "
+                    f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
+            raise H2OStreamError(
+                f"{policy.describe()} keeps {budget} entries in its lowest layer, which does not fit the model's "
+                f"context of {context} positions (a step needs budget + 1 positions); use a smaller cache size")
         super().__init__(layers=[StreamingLayer(p, r) for p, r in zip(policies, rollers)])
         self.policy = policy
         self.sliding = sliding
         self.rolling = rolling
-        # The lead layer sets the positions the model is given: the first running the chosen policy (the layers that
-        # run another one, sliding windows, are moved to their own slots inside the forward).
-        self._lead = next((i for i, p in enumerate(policies) if p is policy), 0)
+        # The lead layer sets the positions the model is given: the first running the chosen policy, or its first
+        # global layer where each runs its own budget (the layers that run another one, sliding windows, are moved to
+        # their own slots inside the forward).
+        self._lead = next((i for i, p in enumerate(policies) if p is policy),
+                          next((i for i, window in enumerate(windows) if window is None), 0))
         lead = policies[self._lead]
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
         self._fair = [not wide_chunks and p.band() is None and p.budget is not None for p in policies]
@@ -122,9 +129,13 @@ class StreamingCache(Cache):
     @property
     def slots(self) -> int:
         """Entries per KV head now held by the layers that run the chosen policy, at most the budget (after
-        `settle`); layers that run another (sliding windows) hold their own number (`entries` sums them all)."""
+        `settle`); with a per-layer schedule (pyramid) the mean over those layers, rounded down; layers that run
+        another policy (sliding windows) hold their own number (`entries` sums them all)."""
         self.settle()
-        return self._held
+        if self.policy.layer_schedule is None:
+            return self._held
+        held = [layer.slots for layer, window in zip(self.layers, self._windows) if window is None]
+        return sum(held) // len(held)
 
     @property
     def _held(self) -> int:
@@ -179,11 +190,12 @@ class StreamingCache(Cache):
         """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
         limit = self.max_chunk
         if limit is not None and chunk_size > limit:
+            where = "its smallest layer's budget" if self.policy.layer_schedule is not None else "the cache size"
             raise H2OStreamError(
-                f"{self._lead_policy.describe()} decides what to keep once per chunk, and a chunk of "
+                f"{self.policy.describe()} decides what to keep once per chunk, and a chunk of "
                 f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
-                f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most the cache "
-                f"size ({limit}), a larger cache, or exact (token-by-token) mode")
+                f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most {where} "
+                f"({limit}), a larger cache, or exact (token-by-token) mode")
 
     def check_fits(self, tokens: int) -> None:
         """Refuse (H2OStreamError) `tokens` more stream tokens whose positions would pass the model's context.

@@ -39,17 +39,23 @@ def layer_windows(config) -> list[int | None]:
 
 def layer_policies(policy: EvictionPolicy, windows: list[int | None], sliding: str = "window"
                    ) -> list[EvictionPolicy]:
-    """The policy of every layer (see the module docstring); layers that run the chosen policy get `policy` itself,
-    the others one policy object per window size."""
+    """The policy of every layer (see the module docstring); layers that run the chosen policy get `policy` itself
+    (or, with a per-layer schedule, the global layers their own budget: `EvictionPolicy.for_layers`; where every
+    layer slides, every layer its own, capped at its window), the others one policy object per window size."""
     if sliding not in SLIDING_MODES:
         raise H2OStreamError(f"sliding layers keep their window or run the policy ({', '.join(SLIDING_MODES)}), "
                              f"not {sliding!r}")
     all_slide = all(window is not None for window in windows)
+    spread = all_slide and policy.layer_schedule is not None  # no global layer: the schedule spreads over all
+    scheduled = iter(policy.for_layers(len(windows) if spread else sum(window is None for window in windows)))
     by_window: dict[int, EvictionPolicy] = {}
     out = []
     for window in windows:
         if window is None:
-            out.append(policy)
+            out.append(next(scheduled))
+            continue
+        if spread:
+            out.append(capped(next(scheduled), window - 1))
             continue
         if window not in by_window:
             runs_policy = sliding == "policy" or all_slide

@@ -30,8 +30,8 @@ if TYPE_CHECKING:  # torch is imported where it is used: the registry loads with
 from h2o_stream.errors import H2OStreamError
 
 from ..memo import memoised
-from .declarations import (HEAVY, RANKINGS, RECENT, SINKS, DropOne, Part, Scores, Setting, check_count,
-                           shrink_parts, split_budget)
+from .declarations import (HEAVY, RANKINGS, RECENT, SCHEDULES, SINKS, DropOne, Part, Scores, Setting, check_count,
+                           pyramid_budgets, shrink_parts, split_budget)
 from .slots import at_slots, first_slots, keep_top, last_slots
 
 __all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
@@ -58,6 +58,9 @@ class EvictionPolicy:
     #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
     #: per policy, eval/results/quality/gap.json)
     fair_chunk_share: ClassVar[float] = 1 / 16
+    #: a per-layer split of the budget (SCHEDULES: "pyramid", reading the setting `beta`), the same total memory as
+    #: the budget in every layer; None: every layer the budget
+    layer_schedule: ClassVar[str | None] = None
 
     # -- derived from the declaration, per class (the engine and the command line read them) ------------------------
     #: whether layers keep scores (an explicit softmax); policies without keep the fused attention path
@@ -92,11 +95,19 @@ class EvictionPolicy:
             raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
         if cls.ranking == "mean" and cls.scoring.accumulate != "moments":
             raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
+        if cls.layer_schedule is not None and (cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age")
+                                               or len(cls._ranked_part_names()) != 1):
+            raise H2OStreamError(f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
+                                 "policy with a ranking and one ranked part")
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
         cls.needs_keys = cls.ranking == "key_diversity"
         cls.needs_tokens = cls.needs_tokenizer = cls.ranking == "token_class"
+
+    @classmethod
+    def _ranked_part_names(cls) -> tuple[str, ...]:
+        return tuple(name for name in cls._part_names if name not in ("sinks", "recent"))
 
     @classmethod
     def part_names(cls) -> tuple[str, ...]:
@@ -164,6 +175,18 @@ class EvictionPolicy:
     def ranked_slots(self) -> int:
         """Slots filled by rank: the budget less the protected ends."""
         return self.budget - self.protected_sinks - self.protected_recent
+
+    def for_layers(self, count: int) -> list[EvictionPolicy]:
+        """The policy of each of `count` layers running this one, lowest first: itself in every layer, or with a
+        `layer_schedule` its ranked part spread over the layers (the same total; declarations.pyramid_budgets)."""
+        if self.layer_schedule is None or self.budget is None:
+            return [self] * count
+        (part,) = self._ranked_part_names()
+        budgets = pyramid_budgets(getattr(self, part), count, self.beta)
+        if self.budget - getattr(self, part) + min(budgets) < 1:
+            raise H2OStreamError(f"{self.describe()} leaves its highest layer no slot at all; use a larger cache, a "
+                                 "recent window or a smaller beta")
+        return [dataclasses.replace(self, **{part: slots}) for slots in budgets]
 
     # -- scores -------------------------------------------------------------------------------------------------
     @property

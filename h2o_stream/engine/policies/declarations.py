@@ -197,3 +197,25 @@ def check_count(name: str, value: int, *, minimum: int = 0) -> int:
     if value < minimum:
         raise H2OStreamError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+#: per-layer budget schedules a policy can declare (`EvictionPolicy.layer_schedule`)
+SCHEDULES = ("pyramid",)
+
+
+def pyramid_budgets(ranked: int, layers: int, beta: int) -> list[int]:
+    """PyramidKV's per-layer split of `ranked` slots per layer (the budget less its recent window), lowest layer
+    first: from max = 2 * ranked - min down to min = ranked // beta in equal steps, rounded so that the layers hold
+    exactly `layers * ranked` in all (largest remainders one slot more, ties to the lower layer). The official code
+    rounds the step down instead, and its layers then hold more than that (up to (layers - 1) * layers / 2 slots)."""
+    if layers <= 1:
+        return [ranked] * layers
+    low = ranked // beta
+    high = 2 * ranked - low
+    exact = [high - (high - low) * layer / (layers - 1) for layer in range(layers)]
+    floors = [math.floor(value) for value in exact]
+    extra = layers * ranked - sum(floors)
+    by_remainder = sorted(range(layers), key=lambda layer: -(exact[layer] - floors[layer]))  # stable: lower first
+    for layer in by_remainder[:extra]:
+        floors[layer] += 1
+    return floors
