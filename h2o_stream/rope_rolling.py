@@ -9,6 +9,7 @@ that it is only ever rotated from its stored form, never re-rotated in place, so
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -46,7 +47,7 @@ class RopeRoller:
         self.head_dim = head_dim
         self.layer_type = layer_type  # passed to a rotary module that serves several layer types (Gemma 3)
         self.layout = layout
-        self._tables: dict[tuple[int, torch.device], dict[str, torch.Tensor]] = {}
+        self._tables: OrderedDict[tuple[int, torch.device], dict[str, torch.Tensor]] = OrderedDict()
 
     @classmethod
     def for_model(cls, model: nn.Module) -> RopeRoller:
@@ -85,9 +86,11 @@ class RopeRoller:
         scaling factor, 1 for plain RoPE), which makes it the exact inverse of the model's scaled rotation.
         """
         key = (length, device)
-        if key not in self._tables:
-            if len(self._tables) > 8:
-                self._tables.clear()
+        if key in self._tables:
+            self._tables.move_to_end(key)
+        else:
+            if len(self._tables) >= _TABLES_KEPT:  # the least recently used goes
+                self._tables.popitem(last=False)
             # Ordinary tensors even inside an inference-mode forward: any later forward may use them (engine/memo.py).
             with torch.inference_mode(False), torch.no_grad():
                 probe = torch.zeros(1, dtype=torch.float32, device=device)
@@ -159,6 +162,11 @@ class RopeRoller:
                     positions = torch.arange(start, stop, device=device).clamp(max=cap)
                     t["rows"][key] = (cos[positions], sin_rh[positions])
         return t["rows"][key]
+
+
+#: rotation tables kept per roller, by length: a layer at slots of its own asks for its own lengths every forward (a
+#: per-layer schedule gives each layer one), and a table is rebuilt from the rotary module when it is not kept
+_TABLES_KEPT = 48
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin_rh: torch.Tensor, pairs: bool = False) -> torch.Tensor:
