@@ -120,3 +120,23 @@ def test_bad_settings_are_refused(given, message):
 def test_a_cache_too_small_to_spread_is_refused_when_the_layers_are_made():
     with pytest.raises(H2OStreamError, match="leaves its highest layer no slot at all"):
         StreamingCache(tiny_model("llama"), make_policy("pyramid", 1))
+
+
+def test_in_steady_state_no_forward_rebuilds_a_rotation_table():
+    """Every layer at its own slots asks for its own table lengths each forward; they are all kept (a table is
+    rebuilt from the model's rotary module only when it is not), so once the layers are full no forward calls it."""
+    model = tiny_model("llama", num_hidden_layers=12)
+    cache = StreamingCache(model, make_policy("pyramid", 16, recent=4, beta=3))
+    assert len({layer.policy.budget for layer in cache.layers}) >= 10
+    ids = random_ids(200)
+    calls = []
+    handle = model.model.rotary_emb.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        for t in range(0, 200, 4):
+            model(ids[:, t:t + 4], cache=cache)
+            if t == 120:
+                calls.clear()  # warm: every layer full, every table made
+    finally:
+        handle.remove()
+    forwards = (200 - 124) // 4
+    assert len(calls) == forwards  # the model's own rotation of each forward's tokens, nothing more
