@@ -163,14 +163,19 @@ def _header(line: bytes) -> dict:
 _PARTIAL = re.compile(r"(?P<target>.+)\.(?P<pid>\d+)\.tmp(?P<suffix>\.[^.]*)?")
 
 
+def is_partial(path: str | os.PathLike) -> bool:
+    """Whether `path` is named as `atomic_path` names a file it is still writing (x.json.<pid>.tmp.json): another
+    process's result in the making, or one a killed process left. Never a user's x.2024.tmp."""
+    match = _PARTIAL.fullmatch(Path(path).name)
+    return bool(match and match["suffix"] and match["suffix"] == Path(match["target"]).suffix)
+
+
 def remove_partials(directory: str | os.PathLike) -> list[Path]:
     """Delete the temporary files `atomic_path` leaves when its process is killed mid-write; the paths deleted.
     Only for a directory this process holds (no other writer may be working in it)."""
     removed = []
     for entry in Path(directory).iterdir():
-        match = _PARTIAL.fullmatch(entry.name)
-        # only names atomic_path makes for a target with a suffix (x.json.<pid>.tmp.json): never a user's x.2024.tmp
-        if match and match["suffix"] and match["suffix"] == Path(match["target"]).suffix and entry.is_file():
+        if is_partial(entry) and entry.is_file():
             with contextlib.suppress(OSError):
                 entry.unlink()
                 removed.append(entry)

@@ -81,6 +81,22 @@ def test_ppl_refuses_to_add_runs_beside_a_result_made_on_another_corpus(capsys, 
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
+def test_a_result_still_being_written_beside_the_finished_ones_is_skipped(board, tmp_path):
+    """Workers share one runs folder: while one writes its result (atomic_path's temporary name), another that lists
+    the folder must neither read the half-written file nor fail on it; a user's own JSON file still fails."""
+    from h2o_stream.apps.perplexity.report import results_in
+    from h2o_stream.errors import H2OStreamError
+
+    runs = tmp_path / "runs"
+    shutil.copytree(board / "runs", runs)
+    finished = sorted(r["settings"]["policy"] for r in results_in(runs))
+    (runs / "tova-16.json.4242.tmp.json").write_text('{"settings": {"pol')  # half-written
+    assert sorted(r["settings"]["policy"] for r in results_in(runs)) == finished
+    (runs / "notes.json").write_text("{}")
+    with pytest.raises(H2OStreamError, match="notes.json"):
+        results_in(runs)
+
+
 def test_a_ratio_needs_the_same_stream(board):
     from h2o_stream.apps.perplexity.leaderboard import leaderboard as rank
     from h2o_stream.apps.perplexity.report import results_in

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from h2o_stream.engine.policies import policy_class
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.files import atomic_path, write_json  # noqa: F401  (write_json re-exported for callers)
+from h2o_stream.files import atomic_path, is_partial, write_json  # noqa: F401  (write_json re-exported for callers)
 from .schema import read_result
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -29,10 +29,11 @@ def results_in(directory: str | os.PathLike) -> list[dict]:
     """Every run result in `directory` (its `*.json` files but the reports in REPORT_FILES), each checked against the
     result schema (`schema.read_result`), ordered by policy and cache size. A file that is not a valid result (a
     damaged or hand-edited one, a JSON file of the user's, a FIFO) is an H2OStreamError naming the file and the
-    field: nothing is reported over, or written beside, files that cannot be trusted."""
+    field: nothing is reported over, or written beside, files that cannot be trusted. A result still being written
+    (`files.atomic_path`'s temporary name: another worker's, in the same folder) is not one yet and is skipped."""
     results = []
     for path in sorted(Path(directory).glob("*.json")):
-        if path.name in REPORT_FILES:
+        if path.name in REPORT_FILES or is_partial(path):
             continue
         results.append(read_result(path))  # the schema also refuses a policy this h2o-stream does not have
     return sorted(results, key=lambda r: (r["settings"]["policy"], cache_size(r) or 0))
