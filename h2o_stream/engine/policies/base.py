@@ -203,8 +203,7 @@ class EvictionPolicy:
         """The observation window of "window" scores (the last queries whose attention counts), else 0."""
         if self.scoring is None or self.scoring.accumulate != "window":
             return 0
-        window = self.scoring.window
-        return int(getattr(self, window) if isinstance(window, str) else window)
+        return int(self._value_of(self.scoring.window))
 
     @property
     def score_moments(self) -> tuple[int, ...]:
@@ -219,8 +218,11 @@ class EvictionPolicy:
         """The factor old scores are multiplied by at each step (1 but for "decay" scores)."""
         if self.scoring is None or self.scoring.accumulate != "decay":
             return 1.0
-        decay = self.scoring.decay
-        return float(getattr(self, decay) if isinstance(decay, str) else decay)
+        return float(self._value_of(self.scoring.decay))
+
+    def _value_of(self, declared: float | str) -> float:
+        """A `Scores` number as declared: the number itself, or the value of the setting it names."""
+        return getattr(self, declared) if isinstance(declared, str) else declared
 
     def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
