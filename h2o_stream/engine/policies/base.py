@@ -291,8 +291,9 @@ class EvictionPolicy:
         """Whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
         (the scores unchanged in between): True for a ranking that is one fixed order of the entries ("score",
         "token_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity", whose
-        anchor is the mean of the keys held, nor "pooled", whose ranks depend on the neighbours an earlier cut left. Between two fair chunks such a policy then makes one cut, with
-        `reduced`; any other makes both at once (`keep_twice`)."""
+        anchor is the mean of the keys held, nor "pooled", whose ranks depend on the neighbours an earlier cut left.
+        Between two fair chunks such a policy then makes one cut, with `reduced`; any other makes both at once
+        (`keep_twice`)."""
         if self.ranking == "mean":
             return self.protected_recent >= 1
         return self.ranking in ("score", "token_class")

@@ -69,7 +69,8 @@ def by_pooled(policy, positions, scores, **_):
     return pooled.view(batch, heads, m)
 
 
-RANKERS = {"pooled": by_pooled, "score": by_score, "mean": by_mean, "key_diversity": by_key_diversity, "token_class": by_token_class}
+RANKERS = {"score": by_score, "mean": by_mean, "key_diversity": by_key_diversity, "token_class": by_token_class,
+           "pooled": by_pooled}
 
 
 @memoised(8)
