@@ -94,6 +94,7 @@ class Rules:
     beta: int = 1
     kernel: int = 1  # "pooled": neighbouring slots pooled, centred
     max_pool: bool = False
+    gumbel: tuple | None = None  # Gumbel-regularised scores: (seed, tau_init, tau_end, tau_steps)
 
     @classmethod
     def of(cls, policy) -> "Rules":
@@ -107,10 +108,13 @@ class Rules:
         decay = float(getattr(policy, decay) if isinstance(decay, str) else decay)
         window = 0 if scoring is None else scoring.window
         window = int(getattr(policy, window) if isinstance(window, str) else window)
+        gumbel = None
+        if scoring is not None and scoring.gumbel:
+            gumbel = (policy.gumbel_seed, policy.tau_init, policy.tau_end, policy.tau_steps)
         return cls(parts, accumulate, heads == "layer", decay, type(policy).ranking,
                    frozenset(getattr(policy, "separator_ids", ())), window=window, kernel=getattr(policy, "kernel", 1),
                    max_pool=getattr(policy, "max_pool", False), schedule=type(policy).layer_schedule,
-                   beta=getattr(policy, "beta", 1))
+                   beta=getattr(policy, "beta", 1), gumbel=gumbel)
 
     def layer_parts(self, layers: int) -> list[dict[str, int]]:
         """Each layer's parts: the declared ones everywhere, or (pyramid) the one ranked part running in equal
@@ -238,15 +242,18 @@ class Oracle:
             for slot, e in enumerate(entries):
                 k = rope(e.key, slot if self.rolling else e.position, self.inv_freq)
                 logits.append(float(q @ k) * scaling)
-            top = max(logits)
-            weights = [math.exp(x - top) for x in logits]
-            total = sum(weights)
-            probs = [w / total for w in weights]
+            probs = softmax(logits)
             out = torch.zeros(value.shape[-1], dtype=torch.float64)
             for p, e in zip(probs, entries):
                 out += p * e.value
             outputs.append(out)
-            probs_of.append(probs)
+            if self.rules.gumbel is None:
+                probs_of.append(probs)
+            else:  # Keyformer: the scores see softmax((logit + Gumbel draw) / temperature), the output does not
+                seed, tau_init, tau_end, tau_steps = self.rules.gumbel
+                tau = tau_init + (tau_end - tau_init) * min(self.t, tau_steps) / tau_steps
+                probs_of.append(softmax([(x + gumbel_draw(seed, layer, q_head, self.t, e.position)) / tau
+                                         for x, e in zip(logits, entries)]))
         self.score(heads, probs_of)
         if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
             for h in range(len(heads)):
@@ -331,6 +338,32 @@ class Oracle:
             similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm())) for e, k in zip(entries, keys)}
             chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[:ranked]
         return sinks + sorted(chosen, key=lambda e: e.position) + recent
+
+
+def softmax(logits: list[float]) -> list[float]:
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    total = sum(weights)
+    return [w / total for w in weights]
+
+
+def _hash32(x: int) -> int:
+    """docs/design.md's 32-bit hash: x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x2c1b3c6d; x ^= x >> 16,
+    products modulo 2**32."""
+    x ^= x >> 16
+    x = x * 0x7FEB352D % 2 ** 32
+    x ^= x >> 15
+    x = x * 0x2C1B3C6D % 2 ** 32
+    return x ^ (x >> 16)
+
+
+def gumbel_draw(seed: int, layer: int, q_head: int, query: int, key: int) -> float:
+    """The design's Gumbel draw of (layer, query head, query, key), by stream indices: -log(-log(u)),
+    u = (h + 1/2) / 2**32, h = H(H(H(H(H(seed) ^ layer) ^ q_head) ^ H(key + s)) ^ H(query + s)), s = 0x1e3779b1."""
+    salt = 0x1E3779B1
+    start = _hash32(_hash32(_hash32(seed) ^ layer) ^ q_head)
+    h = _hash32(_hash32(start ^ _hash32((key + salt) % 2 ** 32)) ^ _hash32((query + salt) % 2 ** 32))
+    return -math.log(-math.log((h + 0.5) / 2 ** 32))
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

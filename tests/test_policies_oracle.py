@@ -30,6 +30,9 @@ VARIANTS = {
                                            max_pool=True),
     "pyramid": lambda: make_policy("pyramid", BUDGET, heavy=5, recent=3, observation=3, kernel=3, beta=2),
     "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
+    "keyformer": lambda: make_policy("keyformer", BUDGET, heavy=5, recent=3, tau_steps=40),
+    "keyformer-hot": lambda: make_policy("keyformer", BUDGET, heavy=6, recent=2, tau_init=0.5, tau_end=4.0,
+                                         tau_steps=7, gumbel_seed=12345),
 }
 
 

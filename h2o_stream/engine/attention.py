@@ -9,7 +9,8 @@ from .memo import memoised
 
 
 def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False, query_weights=None, squares=False, virtual_logits=None, window=0):
+                       last_query=False, query_weights=None, squares=False, virtual_logits=None, window=0,
+                       gumbel=None):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
     share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
@@ -43,12 +44,17 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
         virtual = virtual_logits.to(logits.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
         probs = torch.softmax(torch.cat([logits, virtual], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
         probs = probs.contiguous()
+    given = probs  # what the keys are reported to receive
+    if gumbel is not None:
+        noise, temperatures = gumbel
+        given = torch.softmax((logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1,
+                              dtype=torch.float32)
     if window:
-        received = probs[..., -window:, :].sum(dim=2).transpose(-1, -2).to(
+        received = given[..., -window:, :].sum(dim=2).transpose(-1, -2).to(
             torch.float32 if probs.device.type == "mps" else torch.float64)
     elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
-        per_query = (probs[..., -1:, :] if last_query else probs).sum(dim=2)
+        per_query = (given[..., -1:, :] if last_query else given).sum(dim=2)
         per_query = per_query.to(torch.float32 if per_query.device.type == "mps" else torch.float64)
         if query_weights is not None and not last_query:
             weights = query_weights.to(per_query.dtype)[:, None]
@@ -57,9 +63,9 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
             received = torch.stack([per_query.sum(2), per_query.square().sum(2)], dim=-1)
     elif query_weights is not None and not last_query:
         # (q_len,) @ (batch, kv_heads, q_len, k_len): a third of einsum's time here (it permuted the probabilities)
-        received = torch.matmul(query_weights.to(probs.dtype), probs.sum(dim=2))
+        received = torch.matmul(query_weights.to(given.dtype), given.sum(dim=2))
     else:
-        received = (probs[..., -1:, :] if last_query else probs).sum(dim=(2, 3))
+        received = (given[..., -1:, :] if last_query else given).sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received

@@ -88,7 +88,7 @@ class StreamingCache(Cache):
             raise H2OStreamError(
                 f"{policy.describe()} keeps {budget} entries in its lowest layer, which does not fit the model's "
                 f"context of {context} positions (a step needs budget + 1 positions); use a smaller cache size")
-        super().__init__(layers=[StreamingLayer(p, r) for p, r in zip(policies, rollers)])
+        super().__init__(layers=[StreamingLayer(p, r, i) for i, (p, r) in enumerate(zip(policies, rollers))])
         self.policy = policy
         self.sliding = sliding
         self.rolling = rolling

@@ -112,10 +112,12 @@ def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=
     if policy.needs_scores or not extras.plain or sink_query is not None:
         # exact mode (one query) needs no weights: every weight would be 1
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
+        gumbel = layer.gumbel_draws(query.shape[-2], query.shape[1] // key.shape[1], query.dtype) \
+            if policy.gumbel else None
         output, received = attend_with_scores(query, key, value, mask, scaling, extras.softcap, sink_query, sinks,
                                               last_query=policy.score_queries == "last", query_weights=weights,
                                               squares=policy.score_squares, virtual_logits=extras.sinks,
-                                              window=policy.score_window)
+                                              window=policy.score_window, gumbel=gumbel)
     else:
         output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
                                                 enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)

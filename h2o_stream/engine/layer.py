@@ -31,10 +31,11 @@ class StreamingLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, policy: EvictionPolicy, roller: RopeRoller | None):
+    def __init__(self, policy: EvictionPolicy, roller: RopeRoller | None, index: int = 0):
         super().__init__()
         self.policy = policy
         self.roller = roller
+        self.index = index  # the model layer it serves (seeded draws differ per layer: engine/gumbel.py)
         self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
         self.scores: torch.Tensor | None = None  # (batch, kv_heads, n[, 2]) attention scores, if the policy uses them
         self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
@@ -171,6 +172,12 @@ class StreamingLayer(CacheLayerMixin):
         self.max_keys = max(self.max_keys, visible)
         keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
         return keys, self.values
+
+    def gumbel_draws(self, length: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The Gumbel noise and temperatures (`EvictionPolicy.gumbel_draws`) of the `length` queries now attending
+        (the last ones appended) over the entries held."""
+        queries = torch.arange(self.seen - length, self.seen, device=self.device)
+        return self.policy.gumbel_draws(self.index, queries, self.positions, group, dtype)
 
     def after_attention(self, received: torch.Tensor | None, steps: int = 1) -> None:
         """Fold the attention each entry just received (batch, kv_heads, n) from the forward's `steps` queries into

@@ -34,6 +34,9 @@ from .declarations import (HEAVY, RANKINGS, RECENT, SCHEDULES, SINKS, DropOne, P
                            pyramid_budgets, shrink_parts, split_budget)
 from .slots import at_slots, first_slots, keep_top, last_slots
 
+#: the settings a policy with Gumbel-regularised scores declares (`Scores.gumbel`)
+GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
+
 __all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
            "shrink_parts", "split_budget"]
 
@@ -99,6 +102,9 @@ class EvictionPolicy:
                                                or len(cls._ranked_part_names()) != 1):
             raise H2OStreamError(f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
                                  "policy with a ranking and one ranked part")
+        if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
+            raise H2OStreamError(f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings "
+                                 f"{', '.join(GUMBEL_SETTINGS)}")
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
@@ -220,6 +226,21 @@ class EvictionPolicy:
             return 1.0
         return float(self._value_of(self.scoring.decay))
 
+    @property
+    def gumbel(self) -> bool:
+        """Whether scores come from Gumbel-regularised attention (`Scores.gumbel`) rather than the model's own."""
+        return self.scoring is not None and self.scoring.gumbel
+
+    def gumbel_draws(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group,
+        q_len, k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads,
+        k_len) given as stream indices (engine/gumbel.py)."""
+        from ..gumbel import gumbel_noise, temperatures
+
+        noise = gumbel_noise(self.gumbel_seed, layer, group, queries, keys, dtype)
+        return noise, temperatures(self.tau_init, self.tau_end, self.tau_steps, queries).to(keys.device)
+
     def _value_of(self, declared: float | str) -> float:
         """A `Scores` number as declared: the number itself, or the value of the setting it names."""
         return getattr(self, declared) if isinstance(declared, str) else declared
@@ -308,8 +329,9 @@ class EvictionPolicy:
 
     def drop_one(self) -> DropOne | None:
         """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: rankings
-        "age", "score" and "mean"; None for the others (exact mode stays on the tensor operations)."""
-        if self.budget is None or self.ranking not in ("age", "score", "mean"):
+        "age", "score" and "mean" on the model's own attention; None for the others and for Gumbel-regularised scores
+        (exact mode stays on the tensor operations)."""
+        if self.budget is None or self.ranking not in ("age", "score", "mean") or self.gumbel:
             return None
         rule = DropOne(sinks=self.protected_sinks, recent=self.protected_recent, ranked=self.ranking != "age")
         if self.ranking == "score":

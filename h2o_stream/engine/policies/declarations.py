@@ -114,12 +114,18 @@ class Scores:
 
     `heads`: whose attention counts — "kv", per KV head the query heads reading it summed (GQA/MQA); "layer", the mean
     over every query head of the layer, one decision per layer; or the name of a bool setting: "kv" when it is true,
-    else "layer" (TOVA's per_head)."""
+    else "layer" (TOVA's per_head).
+
+    `gumbel`: what an entry receives is not the model's attention but its Gumbel-regularised twin (Keyformer), per
+    query softmax((logits + g) / tau) with a seeded Gumbel draw g per query head, query and key (engine/gumbel.py)
+    and a temperature tau rising from `tau_init` to `tau_end` over the stream's first `tau_steps` queries; the policy
+    declares those three settings and `gumbel_seed`."""
 
     accumulate: str = "sum"
     heads: str = "kv"
     decay: float | str = 1.0
     window: int | str = 0
+    gumbel: bool = False
 
     def __post_init__(self):
         if self.accumulate not in ACCUMULATORS:
