@@ -226,8 +226,8 @@ def plot_scan(report: dict, path: Path) -> None:
 
 
 @speed.command()
-@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid",
-              show_default=True)
+@click.option("--policies", show_default=True,
+              default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer")
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--round-tokens", default=512, show_default=True, help="Tokens per round and contender, chunks > 1.")

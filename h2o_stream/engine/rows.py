@@ -70,7 +70,8 @@ class RowsCache(Cache):
         for cache in caches:
             cache._check_model(model.base_model)
         self.caches = caches
-        super().__init__(layers=[RowsLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))])
+        super().__init__(layers=[RowsLayer([cache.layers[i] for cache in caches])
+                                 for i in range(len(caches[0].layers))])
         attach(model)
 
     def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,

@@ -46,7 +46,8 @@ class KeyformerPolicy(EvictionPolicy):
                        called="keyformer's last temperature"),
                Setting("tau_steps", "queries over which the temperature rises (0: as many as the cache holds)", 0,
                        within=(-1, 1 << 40), called="0: the cache size"),
-               Setting("gumbel_seed", "seed of the Gumbel draws (a run repeats with the same seed)", 0, within=(-1, (1 << 32) - 1)))
+               Setting("gumbel_seed", "seed of the Gumbel draws (a run repeats with the same seed)", 0,
+                       within=(-1, (1 << 32) - 1)))
     scoring = Scores("sum", gumbel=True)
     ranking = "score"
 
