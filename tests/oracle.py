@@ -357,13 +357,18 @@ def _hash32(x: int) -> int:
     return x ^ (x >> 16)
 
 
-def gumbel_draw(seed: int, layer: int, q_head: int, query: int, key: int) -> float:
-    """The design's Gumbel draw of (layer, query head, query, key), by stream indices: -log(-log(u)),
-    u = (h + 1/2) / 2**32, h = H(H(H(H(H(seed) ^ layer) ^ q_head) ^ H(key + s)) ^ H(query + s)), s = 0x1e3779b1."""
+def gumbel_hash(seed: int, layer: int, q_head: int, query: int, key: int) -> int:
+    """h = H(H(H(H(H(seed) ^ layer) ^ q_head) ^ H(key + s)) ^ H(query + s)), s = 0x1e3779b1 (docs/design.md)."""
     salt = 0x1E3779B1
     start = _hash32(_hash32(_hash32(seed) ^ layer) ^ q_head)
-    h = _hash32(_hash32(start ^ _hash32((key + salt) % 2 ** 32)) ^ _hash32((query + salt) % 2 ** 32))
-    return -math.log(-math.log((h + 0.5) / 2 ** 32))
+    return _hash32(_hash32(start ^ _hash32((key + salt) % 2 ** 32)) ^ _hash32((query + salt) % 2 ** 32))
+
+
+def gumbel_draw(seed: int, layer: int, q_head: int, query: int, key: int) -> float:
+    """The design's Gumbel draw of (layer, query head, query, key), by stream indices: -log(-log(u)),
+    u = (h // 2**9 + 1/2) / 2**23 with h their `gumbel_hash`."""
+    h = gumbel_hash(seed, layer, q_head, query, key)
+    return -math.log(-math.log(((h >> 9) + 0.5) / 2 ** 23))
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -8,12 +8,12 @@ import math
 
 import pytest
 import torch
-from oracle import Oracle, gumbel_draw
+from oracle import Oracle, gumbel_draw, gumbel_hash
 from ppl_helpers import ppl_error, write_corpus
 from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.engine.gumbel import gumbel_noise, temperatures
+from h2o_stream.engine.gumbel import draw_bits, gumbel_noise, temperatures
 from h2o_stream.errors import H2OStreamError
 
 BUDGET = 8
@@ -21,15 +21,17 @@ BUDGET = 8
 
 def test_the_draws_are_the_designs_hash_of_their_stream_indices():
     generator = torch.Generator().manual_seed(0)
-    keys = torch.randint(0, 1 << 31, (1, 2, 5), generator=generator)
-    queries = torch.tensor([0, 1, 7, 1 << 30])
-    noise = gumbel_noise(99, 3, 2, queries, keys, torch.float64)  # (1, kv_heads 2, group 2, 4, 5)
+    keys = torch.randint(0, 1 << 31, (1, 2, 40), generator=generator)
+    queries = torch.cat([torch.tensor([0, 1, 7, (1 << 31) - 1]), torch.randint(0, 1 << 31, (20,), generator=generator)])
+    bits = draw_bits(99, 3, 2, queries, keys).long() & 0xFFFFFFFF  # (1, kv_heads 2, group 2, 24, 40)
+    noise = gumbel_noise(99, 3, 2, queries, keys, torch.float64)
     for kv in range(2):
         for g in range(2):
             for q, query in enumerate(queries.tolist()):
                 for k, key in enumerate(keys[0, kv].tolist()):
+                    assert bits[0, kv, g, q, k].item() == gumbel_hash(99, 3, kv * 2 + g, query, key)
                     expected = gumbel_draw(99, 3, kv * 2 + g, query, key)
-                    assert noise[0, kv, g, q, k].item() == pytest.approx(expected, abs=1e-12)
+                    assert noise[0, kv, g, q, k].item() == pytest.approx(expected, rel=1e-6, abs=1e-6)
 
 
 def test_the_draws_are_gumbel_distributed_and_differ_by_layer_head_and_seed():
