@@ -43,6 +43,8 @@ PPL_RUNS = (
     ("h2o-60k/chunked", "h2o", ["--tokens", "60000"]),
     ("tova-60k/exact", "tova", ["--exact", "--tokens", "60000"]),
     ("tova-60k/chunked", "tova", ["--tokens", "60000", "--chunk-size", "16"]),  # tova's default chunk then
+    ("exact", "keyformer", ["--exact", "--tokens", "20000"]),
+    ("chunked", "keyformer", ["--tokens", "20000"]),
 )
 
 
