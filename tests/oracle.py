@@ -95,6 +95,7 @@ class Rules:
     kernel: int = 1  # "pooled": neighbouring slots pooled, centred
     max_pool: bool = False
     gumbel: tuple | None = None  # Gumbel-regularised scores: (seed, tau_init, tau_end, tau_steps)
+    merge: tuple | None = None  # evicted entries merged into the ones after them: (span, seed)
 
     @classmethod
     def of(cls, policy) -> "Rules":
@@ -114,7 +115,8 @@ class Rules:
         return cls(parts, accumulate, heads == "layer", decay, type(policy).ranking,
                    frozenset(getattr(policy, "separator_ids", ())), window=window, kernel=getattr(policy, "kernel", 1),
                    max_pool=getattr(policy, "max_pool", False), schedule=type(policy).layer_schedule,
-                   beta=getattr(policy, "beta", 1), gumbel=gumbel)
+                   beta=getattr(policy, "beta", 1), gumbel=gumbel,
+                   merge=(policy.merge_span, policy.merge_seed) if type(policy).eviction == "merge" else None)
 
     def layer_parts(self, layers: int) -> list[dict[str, int]]:
         """Each layer's parts: the declared ones everywhere, or (pyramid) the one ranked part running in equal
@@ -188,7 +190,7 @@ class Oracle:
         for layer, heads in enumerate(self.entries):
             smaller = self.reduced(self.parts[layer], sum(self.parts[layer].values()) + 1 - len(tokens))
             for h in range(len(heads)):
-                heads[h] = self.cut(heads[h], smaller)
+                heads[h] = self.cut(heads[h], smaller, layer, h)
         self.received = {}
         try:
             logits = torch.stack([self.step(token) for token in tokens])
@@ -199,7 +201,7 @@ class Oracle:
                 for e in heads[h]:
                     if id(e) in received:
                         self.take_score(e, received[id(e)])
-                heads[h] = self.cut(heads[h], self.parts[layer])
+                heads[h] = self.cut(heads[h], self.parts[layer], layer, h)
         return logits
 
     @staticmethod
@@ -257,7 +259,7 @@ class Oracle:
         self.score(heads, probs_of)
         if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
             for h in range(len(heads)):
-                heads[h] = self.cut(heads[h], self.parts[layer])
+                heads[h] = self.cut(heads[h], self.parts[layer], layer, h)
         return torch.stack(outputs)
 
     def score(self, heads: list[list[Entry]], probs_of: list[list[float]]) -> None:
@@ -293,7 +295,28 @@ class Oracle:
         else:
             e.score += received
 
-    def cut(self, entries: list[Entry], parts: dict[str, int]) -> list[Entry]:
+    def cut(self, entries: list[Entry], parts: dict[str, int], layer: int, head: int) -> list[Entry]:
+        """What `parts` keep of `entries` (one layer's KV head), the evicted merged first for a policy that merges."""
+        kept = self.choose(entries, parts)
+        if self.rules.merge is not None and len(kept) < len(entries):
+            self.merge(entries, kept, layer, head)
+        return kept
+
+    def merge(self, entries: list[Entry], kept: list[Entry], layer: int, head: int) -> None:
+        """cam: every evicted entry, oldest first, whose coin falls below min(1, its score / the mean score of the
+        entries after it) adds its value / span to each of the `span` entries after it (evicted ones included)."""
+        span, seed = self.rules.merge
+        for i, e in enumerate(entries):
+            if any(e is k for k in kept):
+                continue
+            after = entries[i + 1:]
+            mean = sum(o.score for o in after) / len(after) if after else 0.0
+            chance = (0.0 if e.score == 0 else 1.0) if mean == 0 else min(1.0, e.score / mean)
+            if entry_uniform(seed, layer, head, e.position) < chance:
+                for o in after[:span]:
+                    o.value = o.value + e.value / span
+
+    def choose(self, entries: list[Entry], parts: dict[str, int]) -> list[Entry]:
         budget = sum(parts.values())
         if not parts or len(entries) <= budget:
             return entries
@@ -362,6 +385,12 @@ def gumbel_hash(seed: int, layer: int, q_head: int, query: int, key: int) -> int
     salt = 0x1E3779B1
     start = _hash32(_hash32(_hash32(seed) ^ layer) ^ q_head)
     return _hash32(_hash32(start ^ _hash32((key + salt) % 2 ** 32)) ^ _hash32((query + salt) % 2 ** 32))
+
+
+def entry_uniform(seed: int, layer: int, kv_head: int, position: int) -> float:
+    """cam's coin for an entry: u = (H(H(H(H(seed) ^ layer) ^ kv_head) ^ H(position + s)) // 2**9 + 1/2) / 2**23."""
+    start = _hash32(_hash32(_hash32(seed) ^ layer) ^ kv_head)
+    return ((_hash32(start ^ _hash32((position + 0x1E3779B1) % 2 ** 32)) >> 9) + 0.5) / 2 ** 23
 
 
 def gumbel_draw(seed: int, layer: int, q_head: int, query: int, key: int) -> float:

@@ -13,7 +13,7 @@ from ppl_helpers import ppl_error, write_corpus
 from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.engine.gumbel import draw_bits, gumbel_noise, temperatures
+from h2o_stream.engine.draws import draw_bits, gumbel_noise, temperatures
 from h2o_stream.errors import H2OStreamError
 
 BUDGET = 8

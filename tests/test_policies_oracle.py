@@ -30,6 +30,8 @@ VARIANTS = {
                                            max_pool=True),
     "pyramid": lambda: make_policy("pyramid", BUDGET, heavy=5, recent=3, observation=3, kernel=3, beta=2),
     "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
+    "cam": lambda: make_policy("cam", BUDGET, sinks=2, merge_span=3),
+    "cam-wide-span": lambda: make_policy("cam", BUDGET, sinks=1, merge_span=32, merge_seed=5),
     "keyformer": lambda: make_policy("keyformer", BUDGET, heavy=5, recent=3, tau_steps=40),
     "keyformer-hot": lambda: make_policy("keyformer", BUDGET, heavy=6, recent=2, tau_init=0.5, tau_end=4.0,
                                          tau_steps=7, gumbel_seed=12345),

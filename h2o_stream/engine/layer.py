@@ -35,7 +35,7 @@ class StreamingLayer(CacheLayerMixin):
         super().__init__()
         self.policy = policy
         self.roller = roller
-        self.index = index  # the model layer it serves (seeded draws differ per layer: engine/gumbel.py)
+        self.index = index  # the model layer it serves (seeded draws differ per layer: engine/draws.py)
         self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
         self.scores: torch.Tensor | None = None  # (batch, kv_heads, n[, 2]) attention scores, if the policy uses them
         self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
@@ -225,6 +225,10 @@ class StreamingLayer(CacheLayerMixin):
         budget = policy.budget if then is None else then.budget
         rows = self._kept_rows(policy, then)
         self.evicted += self.positions.numel() - rows.numel()
+        if policy.eviction == "merge":  # what goes is merged into the entries after it first
+            kept = torch.zeros(self.positions.numel(), dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
+            self.values = policy.merged(self.values, self.positions, self.scores, kept.view(self.positions.shape),
+                                        self.index)
         self.keys = _take(self.keys, rows, budget)
         self.values = _take(self.values, rows, budget)
         self.positions = _take(self.positions, rows, budget)

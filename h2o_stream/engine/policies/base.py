@@ -36,6 +36,10 @@ from .slots import at_slots, first_slots, keep_top, last_slots
 
 #: the settings a policy with Gumbel-regularised scores declares (`Scores.gumbel`)
 GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
+#: what a cut does with the entries it evicts (`EvictionPolicy.eviction`)
+EVICTIONS = ("drop", "merge")
+#: the settings a policy that merges declares
+MERGE_SETTINGS = ("merge_span", "merge_seed")
 
 __all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
            "shrink_parts", "split_budget"]
@@ -64,6 +68,9 @@ class EvictionPolicy:
     #: a per-layer split of the budget (SCHEDULES: "pyramid", reading the setting `beta`), the same total memory as
     #: the budget in every layer; None: every layer the budget
     layer_schedule: ClassVar[str | None] = None
+    #: what a cut does with what it evicts: "drop", or "merge" (cam: each merged into the entries after it, by the
+    #: latest attention and a seeded coin; policies/merging.py; needs Scores("latest") and MERGE_SETTINGS)
+    eviction: ClassVar[str] = "drop"
 
     # -- derived from the declaration, per class (the engine and the command line read them) ------------------------
     #: whether layers keep scores (an explicit softmax); policies without keep the fused attention path
@@ -105,6 +112,13 @@ class EvictionPolicy:
         if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
             raise H2OStreamError(f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings "
                                  f"{', '.join(GUMBEL_SETTINGS)}")
+        if cls.eviction not in EVICTIONS:
+            raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")
+        if cls.eviction == "merge" and (cls.scoring is None or cls.scoring.accumulate != "latest"
+                                        or cls.scoring.heads != "kv"
+                                        or not set(MERGE_SETTINGS) <= set(cls.option_names())):
+            raise H2OStreamError(f"{cls.__qualname__} merges what it evicts and needs Scores('latest') per KV head "
+                                 f"and the settings {', '.join(MERGE_SETTINGS)}")
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
@@ -235,8 +249,8 @@ class EvictionPolicy:
                      dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group,
         q_len, k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads,
-        k_len) given as stream indices (engine/gumbel.py)."""
-        from ..gumbel import gumbel_noise, temperatures
+        k_len) given as stream indices (engine/draws.py)."""
+        from ..draws import gumbel_noise, temperatures
 
         noise = gumbel_noise(self.gumbel_seed, layer, group, queries, keys, dtype)
         return noise, temperatures(self.tau_init, self.tau_end, self.tau_steps, queries).to(keys.device)
@@ -291,6 +305,14 @@ class EvictionPolicy:
         ranks = RANKERS[self.ranking](self, positions, scores, **extra)
         return keep_top(ranks, self.ranked_slots, sinks=sinks, recent=recent)
 
+    def merged(self, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor,
+               layer: int) -> torch.Tensor:
+        """`values` (batch, kv_heads, n, dim) once the entries a cut does not keep (`kept`, bool (batch, kv_heads, n))
+        are merged into the entries after them (eviction "merge": policies/merging.py), in layer `layer`."""
+        from .merging import merge_evicted
+
+        return merge_evicted(values, positions, scores, kept, span=self.merge_span, seed=self.merge_seed, layer=layer)
+
     def keep_twice(self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None,
                    **extra: torch.Tensor) -> torch.Tensor:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
@@ -310,14 +332,14 @@ class EvictionPolicy:
     @property
     def cuts_nest(self) -> bool:
         """Whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
-        (the scores unchanged in between): True for a ranking that is one fixed order of the entries ("score",
+        (the scores unchanged in between): True for a ranking that is one fixed order of the entries ("age", "score",
         "token_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity", whose
         anchor is the mean of the keys held, nor "pooled", whose ranks depend on the neighbours an earlier cut left.
         Between two fair chunks such a policy then makes one cut, with `reduced`; any other makes both at once
         (`keep_twice`)."""
         if self.ranking == "mean":
             return self.protected_recent >= 1
-        return self.ranking in ("score", "token_class")
+        return self.ranking in ("age", "score", "token_class")
 
     def band(self) -> tuple[int, int] | None:
         """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
@@ -329,9 +351,10 @@ class EvictionPolicy:
 
     def drop_one(self) -> DropOne | None:
         """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: rankings
-        "age", "score" and "mean" on the model's own attention; None for the others and for Gumbel-regularised scores
-        (exact mode stays on the tensor operations)."""
-        if self.budget is None or self.ranking not in ("age", "score", "mean") or self.gumbel:
+        "age", "score" and "mean" on the model's own attention, dropping what they evict; None for the others, for
+        Gumbel-regularised scores and for merging (exact mode stays on the tensor operations)."""
+        if self.budget is None or self.ranking not in ("age", "score", "mean") or self.gumbel \
+                or self.eviction != "drop":
             return None
         rule = DropOne(sinks=self.protected_sinks, recent=self.protected_recent, ranked=self.ranking != "age")
         if self.ranking == "score":

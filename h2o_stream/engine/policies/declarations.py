@@ -117,7 +117,7 @@ class Scores:
     else "layer" (TOVA's per_head).
 
     `gumbel`: what an entry receives is not the model's attention but its Gumbel-regularised twin (Keyformer), per
-    query softmax((logits + g) / tau) with a seeded Gumbel draw g per query head, query and key (engine/gumbel.py)
+    query softmax((logits + g) / tau) with a seeded Gumbel draw g per query head, query and key (engine/draws.py)
     and a temperature tau rising from `tau_init` to `tau_end` over the stream's first `tau_steps` queries; the policy
     declares those three settings and `gumbel_seed`."""
 

@@ -10,7 +10,7 @@ the `heavy` highest-scored among the rest (the key tokens); ties go to the older
 head.
 
 Draws are seeded (`gumbel_seed`) and a pure function of (layer, query head, query, key) by their stream indices
-(engine/gumbel.py), so a run repeats and exact mode, fair chunks and the oracle draw alike; the official code draws
+(engine/draws.py), so a run repeats and exact mode, fair chunks and the oracle draw alike; the official code draws
 from torch's generator (`gumbel_softmax`) in every forward.
 
 Defaults: the official code's temperatures 1 to 2 and its recent window of 30% of the cache (the rest key tokens).

@@ -1,5 +1,6 @@
-"""Seeded Gumbel noise for Gumbel-regularised scores (Keyformer): one draw per (layer, query head, query, key), the
-same whichever path computes it (exact mode, fair chunks, a scanned forward, the tests' oracle), so runs repeat.
+"""Seeded draws: Gumbel noise for Gumbel-regularised scores (keyformer), one draw per (layer, query head, query, key),
+and one uniform per (layer, KV head, entry) for a merge's coin (cam); the same whichever path computes them (exact
+mode, fair chunks, a scanned forward, the tests' oracle), so runs repeat.
 
 A draw is a pure function of its indices, not of a generator's state: the query's and the key's stream indices
 (not their slots), the layer and the query head, and the policy's seed go through a 32-bit integer hash
@@ -124,6 +125,16 @@ def _mix64(x):  # pragma: no cover (compiled)
     x ^= x >> np.uint64(15)
     x = (x * np.uint64(_MULTIPLIERS[1])) & np.uint64(_MASK)
     return x ^ (x >> np.uint64(16))
+
+
+def entry_uniforms(seed: int, layer: int, positions: torch.Tensor) -> torch.Tensor:
+    """One uniform in (0, 1) per entry of `positions` (batch, kv_heads, n; stream indices), float64: for KV head h,
+    u = (mix(head_key(seed, layer, h) ^ mix(p + salt)) // 2**9 + 1/2) / 2**23."""
+    kv_heads = positions.shape[1]
+    heads = torch.tensor([head_key(seed, layer, h) for h in range(kv_heads)], dtype=torch.long,
+                         device=positions.device).view(1, kv_heads, 1)
+    hashed = mix(heads ^ mix((positions + _SALT) & _MASK))
+    return ((hashed >> 9).to(torch.float64) + 0.5) * 2.0 ** -23
 
 
 def temperatures(tau_init: float, tau_end: float, steps: int, queries: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,41 @@
+"""What a cut does with the entries it evicts when a policy declares `eviction = "merge"` (cam): each is merged into
+the entries after it instead of dropped outright. Tensor functions; base.py calls them from the cut."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loads this module without it
+    import torch
+
+
+def merge_evicted(values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor, *,
+                  span: int, seed: int, layer: int) -> torch.Tensor:
+    """`values` (batch, kv_heads, n, dim) after the entries not `kept` (bool, batch, kv_heads, n) are merged, oldest
+    first: an evicted entry e whose latest attention a_e (`scores`, the latest query's, per KV head) is at least the
+    mean attention m_e of the entries after it is merged with probability min(1, a_e / m_e), by its seeded coin
+    (draws.entry_uniforms): v_e / span is added to each of the `span` entries after it (evicted ones included, which
+    carry it on when their own turn comes). a_e = m_e = 0 never merges; m_e = 0 < a_e always does. A new tensor."""
+    import torch
+
+    from ..draws import entry_uniforms
+
+    n = positions.shape[-1]
+    slot = torch.arange(n, device=positions.device)
+    evicted = n - int(kept.sum(dim=-1).max())
+    if evicted <= 0:
+        return values
+    order = torch.where(kept, n, slot).sort(dim=-1).values[..., :evicted]  # evicted slots, ascending
+    attention = scores.to(torch.float64)
+    after = attention.flip(-1).cumsum(-1).flip(-1) - attention  # attention summed over the entries after each
+    ratio = attention / (after / (n - 1 - slot).clamp(min=1))
+    chance = torch.nan_to_num(ratio, nan=0.0, posinf=1.0).clamp(max=1.0)
+    heads = entry_uniforms(seed, layer, positions) < chance  # (batch, kv_heads, n): whose coin says merge
+    values = values.clone()
+    for j in range(evicted):
+        entry = order[..., j:j + 1]  # (batch, kv_heads, 1)
+        merges = heads.gather(-1, entry)
+        value = values.gather(2, entry.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]))
+        targets = (slot > entry) & (slot <= entry + span) & merges  # (batch, kv_heads, n)
+        values += targets.unsqueeze(-1).to(values.dtype) * (value / span)
+    return values
