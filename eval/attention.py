@@ -110,3 +110,41 @@ def plot(report: dict, path: Path) -> None:
     axes[0].legend(fontsize=8, loc="lower right")
     save_figure(fig, path, f"Attention on the first {report['sinks']} keys, the last {report['recent']} and older "
                            f"ones: {report['data']['name']}, {report['windows']} windows of {report['length']} tokens")
+
+
+def models_section(res, page) -> list[str]:
+    """docs/results.md's section on the models themselves (called by eval.results_page): where their attention goes
+    (models/attention_by_distance.json) and the real Gemma 3 270M streamed against its own forward
+    (models/gemma3_equivalence.json)."""
+    from eval.results_page import num, source, table
+
+    lines = []
+    attention = res.get("models/attention_by_distance.json")
+    if attention:
+        lines += ["## Where the models' attention goes", "",
+                  f"Per layer, the attention mass queries put on the window's first {attention['sinks']} keys (what "
+                  f"sink keeps for good), the last {attention['recent']} (sink's recent window, the query's own "
+                  "included) and the older keys between them (the only ones a heavy-hitter policy can add), on the "
+                  f"model's own forward over {attention['windows']} windows of {attention['length']:,} tokens; the "
+                  "mean over layers here, each layer in the figure.", ""]
+        rows = [[model, *(num(100 * values["mean"][group], 1) + "%" for group in GROUPS),
+                 str(len(values["layers"]))] for model, values in attention["models"].items()]
+        lines += table(["model", *GROUPS, "layers"], rows, {1, 2, 3, 4})
+        lines += [source(res, "models/attention_by_distance.json"), ""]
+        lines += res.figure("models/attention_by_distance.png", page, "attention mass by distance")
+    equivalence = res.get("models/gemma3_equivalence.json")
+    if equivalence:
+        target = equivalence["targets"]["nll"]
+        full, sink = equivalence["full_vs_forward"], equivalence["sink_chunked_vs_exact"]
+        lines += [f"## {equivalence['model']} streamed against its own forward", "",
+                  f"{equivalence['tokens']:,} tokens in forwards of {equivalence['chunk']}; the target: within "
+                  f"{target:g} nats.", ""]
+        lines += table(["comparison", "mean NLL difference", "largest per-token difference", "within target"], [
+            ["full cache in chunks vs the model's forward", f"{full['mean_nll_difference']:.1e}",
+             f"{full['max_token_difference']:.1e}", "yes" if full["mean_nll_difference"] <= target else "NO"],
+            [f"chunked sink vs exact sink, cache {equivalence['cache_size']}", f"{sink['mean_nll_difference']:.1e}",
+             f"{sink['max_token_difference']:.1e}",
+             "yes" if sink["max_token_difference"] <= target else "NO (per token)"]], {1, 2})
+        lines += [source(res, "models/gemma3_equivalence.json"), ""]
+        lines += res.figure("models/gemma3_equivalence.png", page, "Gemma 3 equivalence")
+    return lines

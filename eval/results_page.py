@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eval.common import BadInput, scrub_command
 from h2o_stream.apps.perplexity.leaderboard import ratio_text
+from eval.attention import models_section
 from eval.serve_load import serve_section
 
 PAGE = Path("docs/results.md")
@@ -411,7 +412,7 @@ def soak_section(res: Results, page: Path) -> list[str]:
     return lines
 
 
-SECTIONS = (leaderboard_section, long_section, quality_section, speed_section, needle_section, soak_section,
+SECTIONS = (leaderboard_section, models_section, long_section, quality_section, speed_section, needle_section, soak_section,
             serve_section)
 
 
