@@ -5,6 +5,7 @@ with the oracle is in test_policies_oracle.py and test_engine.py."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import pytest
 import torch
@@ -32,6 +33,36 @@ def test_an_entry_attended_above_the_mean_after_it_is_spread_over_the_span_after
     assert torch.equal(merged, expected)
     unattended = torch.tensor([[[0.2, 0.0, 0.1, 0.1, 0.1, 0.1]]], dtype=torch.float64)
     assert torch.equal(merge_evicted(values, positions, unattended, kept, span=2, seed=0, layer=0), values)
+
+
+def _one_after_another(values, positions, scores, kept, span, seed, layer):
+    """The merge as docs/design.md says it: each evicted entry in turn, oldest first, with its value as it is then."""
+    n = positions.shape[-1]
+    slot = torch.arange(n)
+    attention = scores.double()
+    after = attention.flip(-1).cumsum(-1).flip(-1) - attention
+    chance = torch.nan_to_num(attention / (after / (n - 1 - slot).clamp(min=1)), nan=0.0, posinf=1.0).clamp(max=1)
+    merges = entry_uniforms(seed, layer, positions) < chance
+    values = values.clone()
+    for b, h in itertools.product(range(positions.shape[0]), range(positions.shape[1])):
+        for e in range(n):
+            if not kept[b, h, e] and merges[b, h, e]:
+                values[b, h, e + 1:e + 1 + span] += values[b, h, e] / span
+    return values
+
+
+@pytest.mark.parametrize("trial", range(6))
+def test_merging_at_once_is_merging_one_after_another(trial):
+    generator = torch.Generator().manual_seed(trial)
+    positions = torch.arange(40).view(1, 1, 40).expand(2, 3, 40).contiguous()
+    values = torch.randn(2, 3, 40, 5, generator=generator, dtype=torch.float64)
+    scores = torch.rand(2, 3, 40, generator=generator, dtype=torch.float64)
+    kept = torch.ones(2, 3, 40, dtype=torch.bool)
+    kept[..., 2:4 + 3 * trial] = False  # up to 17 evicted, within each other's span
+    merged = merge_evicted(values, positions, scores, kept, span=3 + trial, seed=trial, layer=1)
+    expected = _one_after_another(values, positions, scores, kept, 3 + trial, trial, 1)
+    assert not torch.equal(expected, values)
+    assert torch.allclose(merged, expected, atol=1e-12, rtol=0)
 
 
 def test_a_merge_happens_with_the_attention_ratio_as_its_chance():

@@ -30,12 +30,16 @@ def merge_evicted(values: torch.Tensor, positions: torch.Tensor, scores: torch.T
     after = attention.flip(-1).cumsum(-1).flip(-1) - attention  # attention summed over the entries after each
     ratio = attention / (after / (n - 1 - slot).clamp(min=1))
     chance = torch.nan_to_num(ratio, nan=0.0, posinf=1.0).clamp(max=1.0)
-    heads = entry_uniforms(seed, layer, positions) < chance  # (batch, kv_heads, n): whose coin says merge
-    values = values.clone()
-    for j in range(evicted):
-        entry = order[..., j:j + 1]  # (batch, kv_heads, 1)
-        merges = heads.gather(-1, entry)
-        value = values.gather(2, entry.unsqueeze(-1).expand(-1, -1, 1, values.shape[-1]))
-        targets = (slot > entry) & (slot <= entry + span) & merges  # (batch, kv_heads, n)
-        values += targets.unsqueeze(-1).to(values.dtype) * (value / span)
-    return values
+    coins = entry_uniforms(seed, layer, positions) < chance  # (batch, kv_heads, n): whose coin says merge
+    # Merging one after another, oldest first, is one linear map: with W[t, j] = (evicted entry j merges) / span for
+    # the `span` slots t after it, the evicted values v' solve v' = v + L v' (L: W's rows at the evicted slots,
+    # strictly lower triangular, since an entry only reaches those after it), and every value then gains W v'.
+    weights = coins.gather(-1, order).to(values.dtype) / span  # (batch, kv_heads, evicted)
+    distance = slot.view(1, 1, n, 1) - order.unsqueeze(-2)  # (batch, kv_heads, n, evicted)
+    spread = ((distance > 0) & (distance <= span)).to(values.dtype) * weights.unsqueeze(-2)
+    rows = order.unsqueeze(-1)
+    carried = spread.gather(2, rows.expand(-1, -1, -1, evicted))  # (batch, kv_heads, evicted, evicted)
+    leaving = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1]))
+    if evicted > 1:
+        leaving = torch.linalg.solve_triangular(-carried, leaving, upper=False, unitriangular=True)
+    return values + spread @ leaving
