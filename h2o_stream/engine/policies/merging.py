@@ -34,12 +34,14 @@ def merge_evicted(values: torch.Tensor, positions: torch.Tensor, scores: torch.T
     # Merging one after another, oldest first, is one linear map: with W[t, j] = (evicted entry j merges) / span for
     # the `span` slots t after it, the evicted values v' solve v' = v + L v' (L: W's rows at the evicted slots,
     # strictly lower triangular, since an entry only reaches those after it), and every value then gains W v'.
-    weights = coins.gather(-1, order).to(values.dtype) / span  # (batch, kv_heads, evicted)
+    # Half-precision values are merged in float32: the CPU's triangular solve takes no half types.
+    work = torch.promote_types(values.dtype, torch.float32)
+    weights = coins.gather(-1, order).to(work) / span  # (batch, kv_heads, evicted)
     distance = slot.view(1, 1, n, 1) - order.unsqueeze(-2)  # (batch, kv_heads, n, evicted)
-    spread = ((distance > 0) & (distance <= span)).to(values.dtype) * weights.unsqueeze(-2)
+    spread = ((distance > 0) & (distance <= span)).to(work) * weights.unsqueeze(-2)
     rows = order.unsqueeze(-1)
     carried = spread.gather(2, rows.expand(-1, -1, -1, evicted))  # (batch, kv_heads, evicted, evicted)
-    leaving = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1]))
+    leaving = values.gather(2, rows.expand(-1, -1, -1, values.shape[-1])).to(work)
     if evicted > 1:
         leaving = torch.linalg.solve_triangular(-carried, leaving, upper=False, unitriangular=True)
-    return values + spread @ leaving
+    return (values.to(work) + spread @ leaving).to(values.dtype)
