@@ -43,8 +43,8 @@ PPL_RUNS = (
     ("h2o-60k/chunked", "h2o", ["--tokens", "60000"]),
     ("tova-60k/exact", "tova", ["--exact", "--tokens", "60000"]),
     ("tova-60k/chunked", "tova", ["--tokens", "60000", "--chunk-size", "16"]),  # tova's default chunk then
-    ("exact", "keyformer", ["--exact", "--tokens", "20000"]),
-    ("chunked", "keyformer", ["--tokens", "20000"]),
+    ("exact", "keyformer,cam", ["--exact", "--tokens", "20000"]),
+    ("chunked", "keyformer,cam", ["--tokens", "20000"]),
 )
 
 
@@ -241,7 +241,8 @@ EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this
 #: the long runs as committed: folder -> (the `h2o-stream ppl` runs, each as its options, the report's window)
 LONG_RUNS = {
     "fair": ("long_fair", [["--cache-size", "256", "--policy", "sink,sepllm,h2o", "--tokens", "1048576"],
-                           ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"]], 100_000),
+                           ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"],
+                           ["--cache-size", "256", "--policy", "cam", "--tokens", "1048576"]], 100_000),
     "4m": ("long_4m", [["--cache-size", "256", "--policy", "sink,h2o", "--tokens", "4000000"]], 200_000),
 }
 data_required = click.option("--data", required=True, help="The corpus (the committed runs: gutenberg_pre1919.jsonl).")

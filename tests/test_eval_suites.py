@@ -155,6 +155,15 @@ def test_long_report_regenerates_the_committed_report(tmp_path, folder, window):
     assert (copy / "figure5.png").is_file()
 
 
+@pytest.mark.parametrize("folder", ["long_4m", "long_fair"])
+def test_a_reported_long_run_folder_takes_more_runs(folder):
+    from h2o_stream.apps.perplexity.report import results_in, run_name
+
+    runs = sorted(p.name for p in (RESULTS / folder).glob("*.json") if p.name != "report.json")
+    assert (RESULTS / folder / "report.json").is_file()
+    assert sorted(f"{run_name(r)}.json" for r in results_in(RESULTS / folder)) == runs
+
+
 def test_the_run_commands_are_printed_with_dry_run(capsys):
     suite("long", "4m", "--data", "books.jsonl", "--dry-run")
     suite("quality", "runs", "--data", "books.jsonl", "--only", "tova-60k/exact", "--dry-run")

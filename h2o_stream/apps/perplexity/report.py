@@ -18,8 +18,9 @@ from .schema import read_result
 LINE_STYLES = ("-", "--", ":", "-.")
 
 
-#: files h2o-stream writes beside the run results in a directory (reports over them), never read as results
-REPORT_FILES = ("summary.json", "leaderboard.json")
+#: files written beside the run results in a directory (reports over them: `ppl`'s, `leaderboard`'s and the long-run
+#: report of `python -m eval long report`), never read as results, so that more runs can join a reported folder
+REPORT_FILES = ("summary.json", "leaderboard.json", "report.json")
 #: what two runs must share for their perplexities to be compared: the same tokens (the corpus's text, where the
 #: stream starts, whether the cache empties at each book) through the same weights in the same dtype and positions
 STREAM_SETTINGS = ("model_weights", "dtype", "rolling", "skip_tokens", "reset_per_book")
