@@ -27,6 +27,7 @@ SUITES = {
     "serve": "eval.serve_load:serve",
     "attention": "eval.attention:attention",
     "seam": "eval.seam:seam",
+    "coverage": "eval.coverage_report:coverage",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
@@ -40,6 +41,7 @@ SUMMARIES = {
     "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
+    "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",
 }
 
 

@@ -17,8 +17,18 @@ from pathlib import Path
 
 import click
 
-from eval.common import (RESULTS, corpus_record, corpus_tokens, data_option, environment, load_model, new_figure,
-                         save_figure, setup, write_result)
+from eval.common import (
+    RESULTS,
+    corpus_record,
+    corpus_tokens,
+    data_option,
+    environment,
+    load_model,
+    new_figure,
+    save_figure,
+    setup,
+    write_result,
+)
 
 GROUPS = ("sinks", "recent", "older")
 
@@ -93,13 +103,13 @@ def plot(report: dict, path: Path) -> None:
     fig, axes = new_figure(1, len(runs), size=(5.5 * len(runs), 4))
     axes = axes if len(runs) > 1 else [axes]
     colors = {"sinks": "#4c72b0", "recent": "#55a868", "older": "#c44e52"}
-    for ax, (name, run) in zip(axes, runs.items()):
+    for ax, (name, run) in zip(axes, runs.items(), strict=True):
         layers = run["layers"]
         bottom = [0.0] * len(layers)
         for group in GROUPS:
             values = [layer[group] for layer in layers]
             ax.bar(range(len(layers)), values, bottom=bottom, color=colors[group], label=group)
-            bottom = [b + v for b, v in zip(bottom, values)]
+            bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         for i, layer in enumerate(layers):
             if layer["type"] != "full_attention":
                 ax.text(i, 1.01, "s", ha="center", fontsize=6)

@@ -89,7 +89,7 @@ def correctness(device) -> list[dict]:
                             row["max_logit_difference_vs_cpu"] = (logits - expected).abs().max().item()
                             row["same_kept_entries_as_cpu"] = all(
                                 torch.equal(a.positions.cpu(), b.positions) for a, b in
-                                zip(cache.layers, cpu_cache.layers) if a.positions is not None)
+                                zip(cache.layers, cpu_cache.layers, strict=True) if a.positions is not None)
                         row["ok"] = not row["nan"] and row.get("max_logit_difference_vs_cpu", 0) < 1e-3 and \
                             row.get("same_kept_entries_as_cpu", True) and \
                             all(d in ("torch.float64", "torch.float32") for d in scores)
@@ -135,8 +135,10 @@ def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
             cache = StreamingCache(model, policy)
             for s in range(0, cache_size, chunk):
                 model(ids[:, s:s + chunk], cache=cache)
-            out[f"{name} {mode}"] = _tokens_per_second(lambda: model(next_ids(step_size), cache=cache), count,
-                                                       step_size, sync)
+
+            def policy_step(step_size=step_size, cache=cache):
+                model(next_ids(step_size), cache=cache)
+            out[f"{name} {mode}"] = _tokens_per_second(policy_step, count, step_size, sync)
             held = cache_size if policy.band() is not None or mode == "exact" else cache_size + 1 - chunk
             raw_name = f"raw {held}+{step_size}"
             if raw_name in out:  # h2o and sink share the raw decode step
@@ -174,7 +176,8 @@ def rows_check(device) -> dict:
         logits = model(piece.expand(len(rows), -1), cache=batch).logits
         for i, cache in enumerate(alone):
             worst = max(worst, (logits[i] - model(piece, cache=cache).logits[0]).abs().max().item())
-    same = all(torch.equal(a.positions, b.positions) for r, c in zip(rows, alone) for a, b in zip(r.layers, c.layers))
+    same = all(torch.equal(a.positions, b.positions) for r, c in zip(rows, alone, strict=True)
+               for a, b in zip(r.layers, c.layers, strict=True))
     return {"max_logit_difference": worst, "same_kept_entries": same, "ok": worst < 1e-3 and same}
 
 

@@ -22,6 +22,7 @@ question last. Reading is the engine's `feed`; answering is `h2o_stream.generati
 
 from __future__ import annotations
 
+import itertools
 import platform
 import random
 import re
@@ -35,7 +36,7 @@ import torch
 
 from eval.common import RESULTS, BadInput, command_line, corpus_record, data_option, load_model, relative
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.apps.perplexity.run import default_span
+from h2o_stream.apps.perplexity.stream import default_span
 from h2o_stream.apps.summarize import build_prompt, encode
 from h2o_stream.engine import POLICIES, default_chunk_size
 from h2o_stream.engine.feed import feed
@@ -138,7 +139,7 @@ def read_segments(model, cache, ids: list[int], stops: list[int], span: int, on_
     if stops[0] == 0:
         on_stop(0)
     bounds = sorted(set(stops) | {0})
-    for a, b in zip(bounds, bounds[1:]):
+    for a, b in itertools.pairwise(bounds):
         feed(model, cache, torch.tensor([ids[a:b]]), span)
         if b in stops:
             on_stop(b)
@@ -262,7 +263,7 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
         ax.axis("off")
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#cccccc")
     image = None
-    for ax, variant in zip(axes.flat, variants):
+    for ax, variant in zip(axes.flat, variants, strict=False):
         grid = accuracy_grid(results, variant, lengths, depths)
         data = np.array([[np.nan if grid[(n, d)] is None else grid[(n, d)] for n in lengths] for d in depths])
         image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=1, aspect="auto")

@@ -18,6 +18,7 @@ runs (one at a time) the `h2o-stream ppl` / `h2o-stream leaderboard` commands th
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import statistics
@@ -25,8 +26,18 @@ from pathlib import Path
 
 import click
 
-from eval.common import (KNOWN_CORPORA, RESULTS, BadInput, command_line, new_figure, relative, run_commands,
-                         save_figure, scrub_command, write_result)
+from eval.common import (
+    KNOWN_CORPORA,
+    RESULTS,
+    BadInput,
+    command_line,
+    new_figure,
+    relative,
+    run_commands,
+    save_figure,
+    scrub_command,
+    write_result,
+)
 
 GAP_TARGET = 0.01
 RUNS = RESULTS / "quality" / "runs"
@@ -106,7 +117,8 @@ def gap_standard_error(exact: dict, chunked: dict) -> float | None:
     intervals between the points of their running-PPL curves (every ~curve_every predictions), over the square root
     of the number of intervals. A chunked run's points fall at forward boundaries, up to a chunk past the exact
     run's, so the i-th intervals are paired (the last, partial one left out). None with fewer than 3 intervals."""
-    pairs = list(zip(_intervals(exact["curve"]), _intervals(chunked["curve"])))[:-1]
+    # strict=False: nothing makes the two curves the same length, and a shorter one just pairs fewer intervals
+    pairs = list(zip(_intervals(exact["curve"]), _intervals(chunked["curve"]), strict=False))[:-1]
     differences = [c - e for e, c in pairs]
     if len(differences) < 3:
         return None
@@ -116,7 +128,7 @@ def gap_standard_error(exact: dict, chunked: dict) -> float | None:
 def _intervals(curve: list) -> list[float]:
     """Mean NLL between consecutive points of a running-PPL curve [(predictions, running PPL), ...]."""
     totals = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve]
-    return [(b - a) / (m - n) for (n, a), (m, b) in zip(totals, totals[1:])]
+    return [(b - a) / (m - n) for (n, a), (m, b) in itertools.pairwise(totals)]
 
 
 def corpus_of(settings: dict) -> dict:
@@ -323,7 +335,8 @@ def write_report(run_dir: Path, window: int) -> dict:
                 report["vs_sink"][name] = {
                     "predicted_tokens": common, "ppl": curves[name][common], "sink_ppl": curves[sink][common],
                     "ppl_ratio": curves[name][common] / curves[sink][common],
-                    "windows_lower_than_sink": sum(h < k for (_, h), (_, k) in zip(own_windows, sink_windows)),
+                    "windows_lower_than_sink": sum(  # strict=False: the two runs' curves may end apart
+                        h < k for (_, h), (_, k) in zip(own_windows, sink_windows, strict=False)),
                     "windows_compared": len(own_windows)}
     for name, cmp in report["vs_sink"].items():
         print(f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "
@@ -368,12 +381,12 @@ def plot(report: dict, results: list[dict], path: Path) -> None:
     """Running and windowed PPL of every run (colour: policy, line: cache size)."""
     fig, (running, windowed) = new_figure(1, 2, size=(12, 4.6))
     colors, styles = {}, {}
-    for r, (name, run) in zip(results, report["runs"].items()):
+    for r, (name, run) in zip(results, report["runs"].items(), strict=True):
         policy, size = name.rsplit("-", 1)
         color = colors.setdefault(policy, f"C{len(colors)}")
         style = styles.setdefault(size, ("-", "--", ":", "-.")[len(styles) % 4])
-        running.plot(*zip(*r["curve"]), style, color=color, label=f"{name} ({run['ppl']:.2f})")
-        windowed.plot(*zip(*run["windows"]), style, color=color, marker=".", label=name)
+        running.plot(*zip(*r["curve"], strict=True), style, color=color, label=f"{name} ({run['ppl']:.2f})")
+        windowed.plot(*zip(*run["windows"], strict=True), style, color=color, marker=".", label=name)
     running.set_title("running perplexity (all tokens so far)", fontsize=9)
     windowed.set_title(f"perplexity per {report['window']:,}-token window", fontsize=9)
     for ax in (running, windowed):

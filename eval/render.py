@@ -12,8 +12,25 @@ from pathlib import Path
 
 import click
 
-from eval.results_page import (PAGE, RenderError, Results, board_table, boards, decode_files, long_table, model_of,
-                               num, pct, ranking_holds, results_page, source, table, unexpected, verdict)
+from eval.coverage_report import percent as coverage_percent
+from eval.results_page import (
+    PAGE,
+    RenderError,
+    Results,
+    board_table,
+    boards,
+    decode_files,
+    long_table,
+    model_of,
+    num,
+    pct,
+    ranking_holds,
+    results_page,
+    source,
+    table,
+    unexpected,
+    verdict,
+)
 
 README = Path("README.md")
 MARKER = re.compile(r"^<!-- (/?)render:([\w-]+) -->[ \t]*\r?$", re.MULTILINE)
@@ -126,8 +143,20 @@ def first_run(res: Results) -> list[str]:
             source(res, name, extra=f"; {model_of({'title': runs[0]['settings'].get('model', '')})}")]
 
 
+def coverage(res: Results) -> list[str]:
+    """The test suite's coverage of h2o_stream per package (lines and branches), as the last measured run gave it."""
+    report = res.get("coverage/coverage.json")
+    if not report:
+        return missing("coverage/coverage.json", "python -m eval coverage --out eval/results/coverage/coverage.json")
+    rows = [[f"`{name}`" if name != "total" else "**total**", f"{p['covered_lines']:,} / {p['statements']:,}",
+             f"{p['covered_branches']:,} / {p['branches']:,}", f"{coverage_percent(p):.1f}%"]
+            for name, p in [*report["packages"].items(), ("total", report["total"])]]
+    return ["Coverage of `h2o_stream` by the tests (lines and branches, the CLI's subprocesses included), per package:",
+            "", *table(["package", "lines", "branches", "covered"], rows, {1, 2, 3}), source(res, "coverage/coverage.json")]
+
+
 BLOCKS = {"headline": headline, "leaderboard": leaderboard, "models": models, "long": long, "speed": speed,
-          "first_run": first_run}
+          "first_run": first_run, "coverage": coverage}
 
 
 def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:

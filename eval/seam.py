@@ -11,15 +11,27 @@ from pathlib import Path
 
 import click
 
-from eval.common import (RESULTS, BadInput, command_line, corpus_record, data_option, environment, load_model,
-                         model_option, new_figure, save_figure, setup, write_result)
+from eval.common import (
+    RESULTS,
+    BadInput,
+    command_line,
+    corpus_record,
+    data_option,
+    environment,
+    load_model,
+    model_option,
+    new_figure,
+    save_figure,
+    setup,
+    write_result,
+)
 
 OUT = RESULTS / "quality" / "seam"
 #: (path name, chunk size None = the policy's default fair chunk, whether the compiled loop may run)
 PATHS = (("exact_tensor", 1, False), ("exact_compiled", 1, True), ("fair", None, True))
 
 
-def per_token_nlls(model, tokenizer, stream, cache_size: int, tokens: int) -> dict[str, "object"]:
+def per_token_nlls(model, tokenizer, stream, cache_size: int, tokens: int) -> dict[str, object]:
     """{'policy/path': per-token NLLs (float64 numpy)} for every registered policy and path of `PATHS`."""
     import torch
 

@@ -41,7 +41,8 @@ QUESTIONS = ["What is a good name for a cat?", "Tell me a fact about the sea.", 
 @model_option
 @click.option("--conversations", default=16, show_default=True)
 @click.option("--turns", default=20, show_default=True)
-@click.option("--in-memory", default=8, show_default=True, help="The server's --in-memory (fewer than --conversations).")
+@click.option("--in-memory", default=8, show_default=True,
+              help="The server's --in-memory (fewer than --conversations).")
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--max-tokens", default=16, show_default=True, help="Reply length limit per turn.")
 @click.option("--threads", default=2, show_default=True, help="The server's torch threads.")

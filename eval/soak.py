@@ -33,8 +33,18 @@ from pathlib import Path
 import click
 import torch
 
-from eval.common import (RESULTS, corpus_record, data_option, environment, load_model, model_option, new_figure,
-                         save_figure, setup, write_result)
+from eval.common import (
+    RESULTS,
+    corpus_record,
+    data_option,
+    environment,
+    load_model,
+    model_option,
+    new_figure,
+    save_figure,
+    setup,
+    write_result,
+)
 from h2o_stream import __version__
 from h2o_stream.apps.chat import CHAT_SAMPLING, ChatSession
 from h2o_stream.generation import Sampling
@@ -59,7 +69,7 @@ INSTRUCTIONS = [
 def paragraphs(data: str, books: int) -> list[str]:
     """Paragraphs (blank-line separated, line breaks joined) of the first `books` books, at least 80 characters."""
     out = []
-    for _, book in zip(range(books), iter_books(data)):
+    for _, book in zip(range(books), iter_books(data), strict=False):
         for block in book.text.split("\n\n"):
             block = " ".join(block.split())
             if len(block) >= 80:
@@ -256,8 +266,8 @@ def summary_row(book: str, setting: str, result) -> dict:
               help="JSON path; the PNG goes beside it.")
 def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_turns, threads, model_spec, out):
     """Summaries and chat replies with the old and the current decoding defaults: soak/generation_defaults.json."""
-    from h2o_stream.apps.summarize import summarize
     from h2o_stream.apps.summarize import settings as summarize_settings
+    from h2o_stream.apps.summarize import summarize
 
     setup(threads)
     loaded = load_model(model_spec, threads=threads)

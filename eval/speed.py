@@ -26,9 +26,23 @@ import click
 import torch
 from transformers import DynamicCache
 
-from eval.common import (RESULTS, BadInput, alternate, corpus_record, corpus_tokens, data_option, environment,
-                         load_model, model_option, new_figure, paired_bars, save_figure, setup, time_chunks,
-                         write_result)
+from eval.common import (
+    RESULTS,
+    BadInput,
+    alternate,
+    corpus_record,
+    corpus_tokens,
+    data_option,
+    environment,
+    load_model,
+    model_option,
+    new_figure,
+    paired_bars,
+    save_figure,
+    setup,
+    time_chunks,
+    write_result,
+)
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import default_chunk_size
 
@@ -213,7 +227,7 @@ def plot_scan(report: dict, path: Path) -> None:
     axes = axes if len(counts) > 1 else [axes]
     colors = lambda n: "#888888" if n.startswith("raw") else "#dd8452" if n.endswith(TENSOR_OPS) else (  # noqa: E731
         "#55a868" if " chunk " in n else "#4c72b0")
-    for ax, count in zip(axes, counts):
+    for ax, count in zip(axes, counts, strict=True):
         speed_ = report["threads"][count]["tokens_per_second"]
         ax.barh(list(speed_), list(speed_.values()), color=[colors(n) for n in speed_])
         ax.set_xscale("log")
@@ -287,7 +301,8 @@ def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: 
 
     seconds = alternate({who: step(who) for who in caches}, rounds, per_round=-(-tokens // chunk))
     speeds = {who: statistics.median(tokens / s for s in v) for who, v in seconds.items()}
-    ratios = {who: [s / p for s, p in zip(seconds[who], seconds["policy"])] for who in ("raw", "raw_inference")}
+    ratios = {who: [s / p for s, p in zip(seconds[who], seconds["policy"], strict=True)]
+              for who in ("raw", "raw_inference")}
     row = {"chunk_size": chunk, "tokens_per_second": speeds["policy"], "raw_forward": f"raw {held}+{chunk}",
            "raw_tokens_per_second": speeds["raw"], "ratio_vs_raw_forward": statistics.median(ratios["raw"]),
            "ratio_per_round": ratios["raw"], "raw_inference_mode_tokens_per_second": speeds["raw_inference"],
@@ -326,7 +341,8 @@ def plot_fair(report: dict, path: Path) -> None:
 def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_dir):
     """A sweep's runs as rows of one batch vs one after another: rows.json."""
     from h2o_stream.apps.perplexity.rows import RunRows
-    from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+    from h2o_stream.apps.perplexity.run import PerplexityRun
+    from h2o_stream.apps.perplexity.stream import token_pieces
 
     loaded = load_model(model_spec)
     stream, names = corpus_tokens(loaded.tokenizer, tokens, data), policies.split(",")
@@ -352,7 +368,7 @@ def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_di
     speed_ = {c: {way: len(names) * tokens / statistics.median(v) for way, v in ways.items()}
               for c, ways in seconds.items()}
     gaps = {n: (torch.cat(a.token_nll) - torch.cat(b.token_nll)).abs().mean().item()
-            for n, a, b in zip(names, made["rows"], made["one after another"])}
+            for n, a, b in zip(names, made["rows"], made["one after another"], strict=True)}
     report = {"benchmark": "batched sweep rows vs runs one after another", "model": loaded.name, "policies": names,
               "cache_size": cache_size, "tokens_per_run": tokens, "data": corpus_record(data),
               "environment": environment(), "seconds": seconds, "sweep_tokens_per_second": speed_,

@@ -64,9 +64,8 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
 def write_json(path: str | os.PathLike, data) -> None:
     """`data` as indented JSON at `path`, atomically. Strict JSON: NaN or infinity is a ValueError, never written."""
     text = json.dumps(data, indent=1, allow_nan=False) + "\n"  # before the file exists: a bad value writes nothing
-    with atomic_path(path) as partial:
-        with open(partial, "w") as f:
-            f.write(text)
+    with atomic_path(path) as partial, open(partial, "w") as f:
+        f.write(text)
 
 
 def write_verified(path: str | os.PathLike, kind: str, version: int, data) -> None:
@@ -79,12 +78,11 @@ def write_verified(path: str | os.PathLike, kind: str, version: int, data) -> No
     body = buffer.getvalue()
     header = {"kind": kind, "version": version, "bytes": len(body), "sha256": hashlib.sha256(body).hexdigest()}
     target = Path(path)
-    with atomic_path(target) as partial:
-        with open(partial, "wb") as file:
-            file.write(MAGIC + json.dumps(header).encode() + b"\n")
-            _write_body(file, body)
-            file.flush()
-            os.fsync(file.fileno())
+    with atomic_path(target) as partial, open(partial, "wb") as file:
+        file.write(MAGIC + json.dumps(header).encode() + b"\n")
+        _write_body(file, body)
+        file.flush()
+        os.fsync(file.fileno())
     with contextlib.suppress(OSError):  # make the rename itself durable; not possible everywhere (some filesystems)
         directory = os.open(target.parent, os.O_RDONLY)
         try:

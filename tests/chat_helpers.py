@@ -65,14 +65,14 @@ def assert_same_state(a: dict, b: dict) -> None:
 def turn_by_turn(fmt, system, users, replies) -> list[int]:
     """The tokens a session feeds: each user turn and each reply as its own piece."""
     pieces = fmt.user_ids(users[0], first=True)
-    for user, reply in zip(users[1:], replies):
+    for user, reply in zip(users[1:], replies, strict=True):
         pieces += fmt.encode(reply) + fmt.closing_ids() + fmt.user_ids(user, first=False)
     return pieces
 
 
 def full_rendering(tokenizer, system, users, replies) -> list[int]:
     messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": users[0]}]
-    for user, reply in zip(users[1:], replies):
+    for user, reply in zip(users[1:], replies, strict=True):
         messages += [{"role": "assistant", "content": reply}, {"role": "user", "content": user}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 

@@ -41,7 +41,8 @@ from tiny_models import bpe_tokenizer, save_tiny_model_dir, tiny_llama  # noqa: 
 
 #: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
 DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.",
-                          "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
+                          "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+                          "user assistant system"]
 
 
 def pytest_addoption(parser):

@@ -46,7 +46,8 @@ def write_tiny_gguf(model, path: Path) -> Path:
     writer.add_unk_token_id(0)
 
     def permute(weight, heads):  # llama.cpp reorders q/k rows for its rotary layout; transformers undoes it
-        return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+        halves = weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:])
+        return halves.swapaxes(1, 2).reshape(weight.shape)
 
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
     if not config.tie_word_embeddings:  # llama.cpp writes the output head only when it is not the embedding

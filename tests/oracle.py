@@ -18,7 +18,7 @@ import torch
 from transformers import AttentionInterface
 
 _ORACLE_NAME = "h2o_stream_test_oracle"
-_running: list["Oracle"] = []
+_running: list[Oracle] = []
 
 
 @dataclass
@@ -51,9 +51,8 @@ def run_against_oracle(spec, kv_heads: int, rolling: bool, *, steps: int):
     """Feed one random stream of `steps` tokens, token by token, through the engine and the oracle on a tiny llama
     with `kv_heads` KV heads; assert equal logits (1e-4) and kept entries of every layer and head at every step, and
     that something was evicted. Returns the engine's cache."""
-    from tiny_models import VOCAB, tiny_model
-
     from h2o_stream import StreamingCache
+    from tiny_models import VOCAB, tiny_model
 
     model = tiny_model("llama", num_key_value_heads=kv_heads, init_std=0.2)
     oracle = Oracle.for_policy(model, spec, rolling=rolling)
@@ -98,7 +97,7 @@ class Rules:
     merge: tuple | None = None  # evicted entries merged into the ones after them: (span, seed)
 
     @classmethod
-    def of(cls, policy) -> "Rules":
+    def of(cls, policy) -> Rules:
         parts = {part.name: getattr(policy, part.name) for part in type(policy).parts}
         scoring = type(policy).scoring
         accumulate = None if scoring is None else scoring.accumulate
@@ -157,7 +156,7 @@ class Oracle:
         AttentionInterface.register(_ORACLE_NAME, _oracle_attention)
 
     @classmethod
-    def for_policy(cls, model, policy, *, rolling: bool = True) -> "Oracle":
+    def for_policy(cls, model, policy, *, rolling: bool = True) -> Oracle:
         """The oracle for an engine policy object: its declaration and every field (parts, settings, separator
         ids)."""
         return cls(model, Rules.of(policy), rolling=rolling)
@@ -246,7 +245,7 @@ class Oracle:
                 logits.append(float(q @ k) * scaling)
             probs = softmax(logits)
             out = torch.zeros(value.shape[-1], dtype=torch.float64)
-            for p, e in zip(probs, entries):
+            for p, e in zip(probs, entries, strict=True):
                 out += p * e.value
             outputs.append(out)
             if self.rules.gumbel is None:
@@ -255,7 +254,7 @@ class Oracle:
                 seed, tau_init, tau_end, tau_steps = self.rules.gumbel
                 tau = tau_init + (tau_end - tau_init) * min(self.t, tau_steps) / tau_steps
                 probs_of.append(softmax([(x + gumbel_draw(seed, layer, q_head, self.t, e.position)) / tau
-                                         for x, e in zip(logits, entries)]))
+                                         for x, e in zip(logits, entries, strict=True)]))
         self.score(heads, probs_of)
         if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
             for h in range(len(heads)):
@@ -358,7 +357,8 @@ class Oracle:
         else:  # key_diversity: the keys least similar to the mean unit key of everything held, ties to the older one
             keys = [e.key if self.rolling else rope(e.key, e.position, self.inv_freq) for e in entries]
             anchor = sum(k / k.norm() for k in keys) / len(keys)
-            similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm())) for e, k in zip(entries, keys)}
+            similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm()))
+                          for e, k in zip(entries, keys, strict=True)}
             chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[:ranked]
         return sinks + sorted(chosen, key=lambda e: e.position) + recent
 

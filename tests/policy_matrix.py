@@ -8,9 +8,8 @@ tokenizer; a test that builds policies from these lists builds them with `build`
 
 from __future__ import annotations
 
-from tiny_models import char_tokenizer
-
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy
+from tiny_models import char_tokenizer
 
 #: the tokenizer of the tiny models (tests/tiny_models.py): its ids fit their vocabulary, and it has separators
 TOKENIZER = char_tokenizer()

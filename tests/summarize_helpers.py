@@ -12,8 +12,9 @@ from transformers import PreTrainedTokenizerFast
 from h2o_stream.apps.summarize import SummaryResult, summarize
 from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer
 
-WORDS = ("the whale ship captain sea storm harbour night morning letter house garden sister brother mother father "
-         "journey river road king queen soldier war peace money dinner ball dance town country church").split()
+WORDS = ["the", "whale", "ship", "captain", "sea", "storm", "harbour", "night", "morning", "letter", "house", "garden",
+         "sister", "brother", "mother", "father", "journey", "river", "road", "king", "queen", "soldier", "war",
+         "peace", "money", "dinner", "ball", "dance", "town", "country", "church"]
 #: what conftest's `tokenizer` fixture trains on in every summarize test module
 TRAINING_TEXTS = [" ".join(WORDS), "Here is a document: Summarize the document above in a few sentences.",
                   "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system",

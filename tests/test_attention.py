@@ -5,8 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from h2o_stream.engine.attention import (attend_with_scores, attend_with_sink_queries, band_bias,
-                                         fused_sink_attention_applies)
+from h2o_stream.engine.attention import (
+    attend_with_scores,
+    attend_with_sink_queries,
+    band_bias,
+    fused_sink_attention_applies,
+)
 
 
 @pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from policy_matrix import EVICTING, build
-from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache
+from policy_matrix import EVICTING, build
+from tiny_models import random_ids, tiny_model
 
 
 def streamed_logits(model, policy, ids, chunk):

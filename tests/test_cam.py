@@ -9,14 +9,14 @@ import itertools
 
 import pytest
 import torch
-from oracle import Oracle, Rules, entry_uniform
-from ppl_helpers import ppl_error, write_corpus
-from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine.draws import entry_uniforms
 from h2o_stream.engine.policies.merging import merge_evicted
 from h2o_stream.errors import H2OStreamError
+from oracle import Oracle, Rules, entry_uniform
+from ppl_helpers import ppl_error, write_corpus
+from tiny_models import random_ids, tiny_model
 
 BUDGET = 8
 

@@ -15,7 +15,8 @@ from click.testing import CliRunner
 
 from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, session_for  # noqa: F401
 from h2o_stream import H2OStreamError
-from h2o_stream.cli.chat import Repl, chat
+from h2o_stream.cli.chat import chat
+from h2o_stream.cli.repl import Repl
 
 
 def run_chat(args, stdin, monkeypatch):

@@ -21,9 +21,9 @@ def run_chat(args, stdin, monkeypatch=None):
 
 
 def test_piped_turns_and_commands(model_dir, tmp_path, monkeypatch):
-    stdin = "\n".join(["hello", "", "   ", "/stats", "/nosuch", "what is two plus two?", "/save", f"/save {tmp_path}/s.pt",
-                       "/load", f"/load {tmp_path}/missing.pt", f"/load {tmp_path}/s.pt", "/help", "/reset", "/stats",
-                       "/exit", "never read"]) + "\n"
+    stdin = "\n".join(["hello", "", "   ", "/stats", "/nosuch", "what is two plus two?", "/save",
+                       f"/save {tmp_path}/s.pt", "/load", f"/load {tmp_path}/missing.pt", f"/load {tmp_path}/s.pt",
+                       "/help", "/reset", "/stats", "/exit", "never read"]) + "\n"
     result = run_chat(["--model", model_dir, "--cache-size", 16, "--max-new-tokens", 5, "--seed", 1], stdin,
                       monkeypatch)
     out, err = result.stdout, result.stderr

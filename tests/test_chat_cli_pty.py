@@ -20,7 +20,7 @@ from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, real_model_av
 def test_a_terminal_chat_keeps_its_history_in_the_cache_directory_unless_told_otherwise(setting, written, tmp_path,
                                                                                          monkeypatch):
     pytest.importorskip("readline")
-    from h2o_stream.cli.chat import Repl
+    from h2o_stream.cli.repl import Repl
 
     monkeypatch.setenv("H2O_STREAM_CACHE", str(tmp_path / "cache"))
     if setting is None:

@@ -10,8 +10,16 @@ from transformers import TopPLogitsWarper
 from chat_helpers import TRAINING_TEXTS, tiny_tokenizer  # noqa: F401  (TRAINING_TEXTS: for conftest's tokenizer)
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.feed import feed
-from h2o_stream.generation import (Decoder, Sampling, TextStream, end_of_turn_id, generate, logits_processors,
-                                   pick_token, stop_token_ids)
+from h2o_stream.generation import (
+    Decoder,
+    Sampling,
+    TextStream,
+    end_of_turn_id,
+    generate,
+    logits_processors,
+    pick_token,
+    stop_token_ids,
+)
 from h2o_stream.generation.sampling import SortFreeTopPLogitsWarper
 from tiny_models import tiny_llama
 

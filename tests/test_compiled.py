@@ -7,9 +7,6 @@ import copy
 
 import pytest
 import torch
-from oracle import run_against_oracle
-from policy_matrix import EVICTING, build
-from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import RowsCache, StreamingLayer
@@ -17,6 +14,9 @@ from h2o_stream.engine import compiled as compiled_module
 from h2o_stream.engine.hooks import Extras, _layer_attention
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.rope_rolling import RopeRoller
+from oracle import run_against_oracle
+from policy_matrix import EVICTING, build
+from tiny_models import random_ids, tiny_model
 
 BUDGET = 8
 #: policy name -> how to build it, for every policy with a compiled cut (and settings the defaults do not reach)
@@ -70,7 +70,7 @@ def _decode(model, policy, ids, *, compiled, monkeypatch, rolling=True, forward=
 
 def _same_caches(mine, theirs, atol):
     assert (mine.seen, mine.evicted, mine.max_keys_seen) == (theirs.seen, theirs.evicted, theirs.max_keys_seen)
-    for a, b in zip(mine.layers, theirs.layers):
+    for a, b in zip(mine.layers, theirs.layers, strict=True):
         assert torch.equal(a.positions, b.positions)
         assert torch.allclose(a.keys, b.keys, atol=atol) and torch.allclose(a.values, b.values, atol=atol)
         assert (a.scores is None) == (b.scores is None)
@@ -152,7 +152,7 @@ def test_one_call_of_many_steps_equals_many_calls_of_one_bit_for_bit(variant, ro
         runs.append((torch.cat(outputs, dim=1), space.hand_out(held, rule.ranked)))
     (one_call, entries), (many_calls, their_entries) = runs
     assert torch.equal(one_call, many_calls)
-    for mine, theirs in zip(entries, their_entries):
+    for mine, theirs in zip(entries, their_entries, strict=True):
         assert (mine is None and theirs is None) or torch.equal(mine, theirs)
 
 
@@ -185,7 +185,7 @@ def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, que
     keys, values = keys[:, :, BUDGET:], values[:, :, BUDGET:]
     for t in range(steps):
         outputs = []
-        for layer, compiled in zip(layers, (True, False)):
+        for layer, compiled in zip(layers, (True, False), strict=True):
             layer.scan, layer.compiled = [1], compiled
             key, value = layer.update(keys[:, :, t:t + 1], values[:, :, t:t + 1])
             outputs.append(streaming_attention_of(layer, query[:, :, t:t + 1], key, value))
@@ -218,7 +218,7 @@ def test_a_pending_cut_and_a_prompt_before_compiled_steps(calls, monkeypatch):
             results.append((torch.cat(logits), fair, prompt))
         (mine, *mine_caches), (theirs, *theirs_caches) = results
         assert torch.allclose(mine, theirs, atol=2e-5, rtol=0)
-        for a, b in zip(mine_caches, theirs_caches):
+        for a, b in zip(mine_caches, theirs_caches, strict=True):
             _same_caches(a, b, atol=1e-5)
     assert calls[0] > 0
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from h2o_stream.loading import corpus as data
+from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading import corpus_files
 from h2o_stream.loading.corpus import (
     HUB_PG19,
     SAMPLE_FILE,
@@ -22,7 +23,6 @@ from h2o_stream.loading.corpus import (
     list_books,
     read_book,
 )
-from h2o_stream.errors import H2OStreamError
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -181,11 +181,11 @@ def test_sample_first_two_books_lazily(monkeypatch):
     opened = []
 
     def recording_open(*args, **kwargs):
-        f = open(*args, **kwargs)
+        f = open(*args, **kwargs)  # noqa: SIM115 - handed to the code under test, which must close it (checked below)
         opened.append(f)
         return f
 
-    monkeypatch.setattr(data, "open", recording_open, raising=False)
+    monkeypatch.setattr(corpus_files, "open", recording_open, raising=False)
     it = iter_books("sample")
     two = list(itertools.islice(it, 2))
     assert [b.title for b in two] == ["Pride and Prejudice", "Frankenstein"]
@@ -199,7 +199,8 @@ def test_sample_first_two_books_lazily(monkeypatch):
 def test_sample_is_small_public_domain_and_described():
     assert SAMPLE_FILE.is_file() and SAMPLE_FILE.stat().st_size < 3_000_000
     assert (SAMPLE_FILE.parent / "README.md").is_file()
-    rows = [json.loads(line) for line in gzip.open(SAMPLE_FILE, "rt", encoding="utf-8")]
+    with gzip.open(SAMPLE_FILE, "rt", encoding="utf-8") as lines:
+        rows = [json.loads(line) for line in lines]
     assert tuple(r["short_book_title"] for r in rows) == SAMPLE_TITLES
     assert all(r["publication_date"] < 1919 and r["url"].startswith("https://www.gutenberg.org/ebooks/") for r in rows)
     assert sum(len(r["text"]) for r in rows) > 3_000_000  # ~4 characters a token: well over 500k tokens

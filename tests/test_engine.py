@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import run_against_oracle
-from policy_matrix import ALL, EVICTING, build
-from tiny_models import FAMILIES, random_ids, tiny_model
 from transformers import DynamicCache
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine.layer_types import layer_windows
 from h2o_stream.engine.policies import POLICIES
+from oracle import run_against_oracle
+from policy_matrix import ALL, EVICTING, build
+from tiny_models import FAMILIES, random_ids, tiny_model
 
 
 def stream_logits(model, cache, ids, chunk=1):

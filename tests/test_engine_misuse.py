@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-from policy_matrix import ALL, BANDED, EVICTING, SCORED, build
-from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
-from h2o_stream.engine.policies import POLICIES
 from h2o_stream.engine.feed import feed
+from h2o_stream.engine.policies import POLICIES
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, build
+from tiny_models import VOCAB, random_ids, tiny_model
 
 #: scored policies with one budget in every layer (pyramid's layers differ: tests/test_pyramid.py)
 UNIFORM_SCORED = [name for name in SCORED if POLICIES[name].layer_schedule is None]
@@ -29,7 +29,7 @@ def snapshot(cache: StreamingCache) -> list[dict]:
 
 
 def assert_untouched(cache: StreamingCache, before: list[dict]) -> None:
-    for layer, state in zip(cache.layers, before):
+    for layer, state in zip(cache.layers, before, strict=True):
         for key, value in layer.state().items():
             same = torch.equal(value, state[key]) if isinstance(value, torch.Tensor) else value == state[key]
             assert same, key
@@ -149,7 +149,7 @@ def test_a_cache_refuses_a_model_it_was_not_made_for(other, attached):
         if fed:
             model(random_ids(fed), cache=cache)
         before = snapshot(cache)
-        refused(lambda: stranger(random_ids(3), cache=cache), "made for|not made for")
+        refused(lambda cache=cache: stranger(random_ids(3), cache=cache), "made for|not made for")
         assert_untouched(cache, before)
         model(random_ids(3), cache=cache)  # still usable by its own model
         assert cache.seen == fed + 3

@@ -263,7 +263,8 @@ def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too
     (run,) = written["models"].values()
     assert len(run["layers"]) == 2
     for layer in run["layers"]:  # every query's attention is a distribution over the three groups
-        assert layer["sinks"] + layer["recent"] + layer["older"] == pytest.approx(1.0, abs=1e-6)  # float32 probabilities
+        # float32 probabilities
+        assert layer["sinks"] + layer["recent"] + layer["older"] == pytest.approx(1.0, abs=1e-6)
         assert min(layer["sinks"], layer["recent"], layer["older"]) > 0
     assert sum(run["by_distance"].values()) == pytest.approx(1.0, abs=1e-6)  # float32 probabilities
     assert (tmp_path / "att.png").is_file()

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine import default_chunk_size, hooks
+from h2o_stream.errors import H2OStreamError
 from oracle import Oracle, stream_for
 from policy_matrix import BANDED, EVICTING, TOKENIZER, build
 from tiny_models import VOCAB, random_ids, tiny_model
-
-from h2o_stream import StreamingCache, make_policy
-from h2o_stream.engine import default_chunk_size
-from h2o_stream.engine import hooks
-from h2o_stream.errors import H2OStreamError
 
 UNBANDED = [name for name in EVICTING if name not in BANDED]
 
@@ -207,6 +206,6 @@ def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, s
     (left, left_cache), (settled, settled_cache) = runs
     assert pending_seen and torch.equal(left, settled)
     assert left_cache.evicted == settled_cache.evicted > 0  # reading evicted settles the first cache too
-    for mine, theirs in zip(left_cache.layers, settled_cache.layers):
+    for mine, theirs in zip(left_cache.layers, settled_cache.layers, strict=True):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.keys, theirs.keys)
         assert mine.slots == theirs.slots == mine.policy.budget

@@ -10,14 +10,13 @@ import warnings
 
 import pytest
 import torch
-from tiny_models import HYBRID_FAMILIES, WINDOW, random_ids, tiny_model
-
-from policy_matrix import ALL, build
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine import hooks
 from h2o_stream.engine.layer_types import layer_windows
 from h2o_stream.engine.policies import POLICIES
+from policy_matrix import ALL, build
+from tiny_models import HYBRID_FAMILIES, WINDOW, random_ids, tiny_model
 
 FAMILIES = sorted(HYBRID_FAMILIES)
 FLOAT32_ONLY = {"gpt_oss"}  # its experts' grouped matmul takes no float64
@@ -154,7 +153,7 @@ def test_sliding_policy_runs_the_policy_on_every_layer_capped_at_the_window(fami
     for budget, expected in [(4, 4), (20, WINDOW - 1)]:
         cache = StreamingCache(model, make_policy("h2o", budget), sliding="policy")
         stream(model, cache, ids, 1)
-        for layer, slide in zip(cache.layers, slides(model)):
+        for layer, slide in zip(cache.layers, slides(model), strict=True):
             assert layer.policy.name == "h2o"
             assert layer.slots == (expected if slide else budget)
         assert cache.state()["sliding"] == "policy"

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from oracle import Oracle, gumbel_draw, gumbel_hash
-from ppl_helpers import ppl_error, write_corpus
-from tiny_models import random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine.draws import draw_bits, gumbel_noise, temperatures
 from h2o_stream.errors import H2OStreamError
+from oracle import Oracle, gumbel_draw, gumbel_hash
+from ppl_helpers import ppl_error, write_corpus
+from tiny_models import random_ids, tiny_model
 
 BUDGET = 8
 

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from ppl_helpers import command, ppl, run_to_end, subprocess_env, wait_for, write_corpus
-
-from h2o_stream.files import WRITE_DELAY_ENV
 
 from h2o_stream.apps.perplexity.leaderboard import windowed
+from h2o_stream.files import WRITE_DELAY_ENV
+from ppl_helpers import command, ppl, run_to_end, subprocess_env, wait_for, write_corpus
 
 POLICIES = "h2o,sink,tova,sepllm"
 
@@ -135,7 +134,7 @@ def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(ca
         title = fig.get_suptitle()
         assert "books $\\frac$ of 1900.jsonl" in title.replace("\n", " "), name
         box, page = fig._suptitle.get_window_extent(), fig.bbox
-        assert 0 <= box.x0 and box.x1 <= page.x1 and box.y1 <= page.y1, f"{name}: title clipped"
+        assert box.x0 >= 0 and box.x1 <= page.x1 and box.y1 <= page.y1, f"{name}: title clipped"
         assert (out / "runs" / name).is_file() or (out / name).is_file()
     bars = figures["ppl_vs_cache.png"].axes[0]
     assert len(bars.patches) == 2 and bars.get_ylim()[0] == 0

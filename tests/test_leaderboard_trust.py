@@ -9,7 +9,9 @@ import os
 import shutil
 
 import pytest
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from ppl_helpers import command, ppl, write_corpus
 
 POLICIES = "h2o,sink"

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_files import logits, write_tiny_gguf
 
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading import default_model
 from h2o_stream.loading.models import load_model
+from model_files import logits, write_tiny_gguf
 
 GEMMA = "gemma3-270m"
 

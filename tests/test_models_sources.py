@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from model_files import logits
 from transformers import LlamaForCausalLM
 
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading import sources
 from h2o_stream.loading.models import load_model
+from model_files import logits
 
 TEXT = "hello world, what is two plus two?"
 
@@ -94,7 +94,8 @@ def test_a_gguf_file_loads_with_the_same_logits(tiny_gguf, model):
     assert not loaded.model.training
     assert not any(p.requires_grad for p in loaded.model.parameters())
     assert torch.equal(logits(loaded.model), logits(model))
-    assert loaded.tokenizer.convert_ids_to_tokens(loaded.tokenizer("the in", add_special_tokens=False).input_ids) == ["the", "Ġ", "in"]
+    ids = loaded.tokenizer("the in", add_special_tokens=False).input_ids
+    assert loaded.tokenizer.convert_ids_to_tokens(ids) == ["the", "Ġ", "in"]
 
 
 def test_a_gguf_file_relative_to_the_working_directory(tiny_gguf, model, monkeypatch):
@@ -171,5 +172,6 @@ def test_a_hub_model_that_is_not_a_causal_lm(monkeypatch, tokenizer):
         raise ValueError("Unrecognized configuration class BertConfig for this kind of AutoModel")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_causal)
-    with pytest.raises(H2OStreamError, match="could not load the model 'bert-base-uncased': Unrecognized configuration"):
+    with pytest.raises(H2OStreamError,
+                       match="could not load the model 'bert-base-uncased': Unrecognized configuration"):
         load_model("bert-base-uncased")

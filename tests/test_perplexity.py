@@ -11,12 +11,14 @@ import time
 
 import pytest
 import torch
+
+from h2o_stream import make_policy, stream_perplexity
+from h2o_stream.apps.perplexity.run import PerplexityRun
+from h2o_stream.apps.perplexity.stream import NLL_ROWS, token_nll, token_pieces
 from policy_matrix import BANDED, SCORED, build
 from ppl_helpers import TEXT, ppl, write_corpus
 from tiny_models import char_tokenizer, random_ids, tiny_model
 
-from h2o_stream import make_policy, stream_perplexity
-from h2o_stream.apps.perplexity.run import NLL_ROWS, PerplexityRun, token_nll, token_pieces
 
 def token_nlls(model, policy, ids, chunk_size):
     run = PerplexityRun(model, policy, chunk_size=chunk_size, record_tokens=True)

@@ -5,11 +5,11 @@ separator ids. tests/test_engine.py runs every registered evicting policy at its
 from __future__ import annotations
 
 import pytest
-from oracle import Oracle, run_against_oracle, stream_for
-from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine.policies.sepllm import SepLLMPolicy
+from oracle import Oracle, run_against_oracle, stream_for
+from tiny_models import VOCAB, random_ids, tiny_model
 
 BUDGET = 8
 #: a quarter of the tiny vocabulary as separators, so that random streams hold plenty of them (and of the rest)

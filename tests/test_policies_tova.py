@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import random_ids, tiny_model
 from transformers import AttentionInterface
 
 from h2o_stream import StreamingCache, make_policy
+from tiny_models import random_ids, tiny_model
 
 _NAME = "h2o_stream_test_tova_reference"
 

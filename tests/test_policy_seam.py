@@ -16,8 +16,6 @@ import click
 import pytest
 import torch
 from click.testing import CliRunner
-from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
-from tiny_models import random_ids, tiny_model
 
 import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
@@ -27,6 +25,9 @@ from h2o_stream.engine.policies.base import HEAVY, RECENT, Scores, split_budget
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 from h2o_stream.engine.policies.slots import ages, keep_top, last_slots, top_slots
+from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
+from tiny_models import random_ids, tiny_model
+
 #: what conftest's `tokenizer` is trained on here: every separator mark, and words without any
 TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
                   "plain words without any marks at all", "one. two, three? four! five; six: seven"]
@@ -95,7 +96,7 @@ def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, compil
         runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
     (h2o, h2o_kept, evicted), (new, new_kept, new_evicted) = runs
     assert evicted > 0 and new_evicted == evicted
-    assert torch.equal(new, h2o) and all(torch.equal(a, b) for a, b in zip(new_kept, h2o_kept))
+    assert torch.equal(new, h2o) and all(torch.equal(a, b) for a, b in zip(new_kept, h2o_kept, strict=True))
 
 
 def test_h2o_adds_a2sf_forgets_and_tova_replaces_the_attention_received():
@@ -320,7 +321,7 @@ def test_a2sf_without_forgetting_and_h2o_sinks_without_sinks_are_h2o():
         runs[name] = logits, [layer.positions for layer in cache.layers]
     for name in ("a2sf", "h2o_sinks"):
         assert torch.equal(runs[name][0], runs["h2o"][0])
-        assert all(torch.equal(a, b) for a, b in zip(runs[name][1], runs["h2o"][1]))
+        assert all(torch.equal(a, b) for a, b in zip(runs[name][1], runs["h2o"][1], strict=True))
 
 
 def test_tova_in_a_chunk_keeps_what_the_last_query_attends_to_most():

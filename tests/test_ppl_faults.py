@@ -12,10 +12,9 @@ import subprocess
 import sys
 import time
 
-from ppl_helpers import ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
-
 from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import WRITE_DELAY_ENV, read_verified
+from ppl_helpers import ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 
 def mtime(path) -> int:
@@ -49,7 +48,7 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
         before = mtime(checkpoint)
         process = subprocess.Popen(resume, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for(lambda: mtime(checkpoint) != before, "progress", process)
+        wait_for(lambda before=before: mtime(checkpoint) != before, "progress", process)
         time.sleep(rng.uniform(0, 0.3))
         process.kill()
         assert process.wait() == -signal.SIGKILL, "the run finished before it could be killed"
@@ -60,7 +59,7 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
         before = mtime(checkpoint)
         process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        wait_for(lambda: mtime(checkpoint) != before, "progress", process)
+        wait_for(lambda before=before: mtime(checkpoint) != before, "progress", process)
         time.sleep(rng.uniform(0, 0.2))
         process.send_signal(signum)
         _, stderr = process.communicate(timeout=60)

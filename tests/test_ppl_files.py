@@ -9,10 +9,10 @@ import json
 
 import pytest
 import torch
-from ppl_helpers import ppl, ppl_error, snapshot, write_corpus
 
 from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION
 from h2o_stream.files import MAGIC, UnverifiedFile, read_verified, remove_partials, write_verified
+from ppl_helpers import ppl, ppl_error, snapshot, write_corpus
 
 KIND = "test file"
 

@@ -7,6 +7,7 @@ import socket
 import time
 
 import pytest
+
 from ppl_helpers import ppl_error, write_corpus
 
 

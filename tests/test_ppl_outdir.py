@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 import pytest
-from ppl_helpers import ppl, ppl_error, result, snapshot, write_corpus
 
 import h2o_stream.files
 from h2o_stream.apps.perplexity.outdir import claim
+from ppl_helpers import ppl, ppl_error, result, snapshot, write_corpus
 
 
 @pytest.fixture

@@ -11,15 +11,16 @@ import shlex
 
 import pytest
 import torch
-from ppl_helpers import TEXT, ppl, ppl_error, result, snapshot, write_corpus
-from tiny_models import char_tokenizer, tiny_model
 
 from h2o_stream import H2OStreamError, make_policy
 from h2o_stream.apps.perplexity.binding import Plan, check_stream
 from h2o_stream.apps.perplexity.digest import StreamDigest
-from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION, PerplexityRun, token_pieces
-from h2o_stream.apps.perplexity.sweep import execute
+from h2o_stream.apps.perplexity.execution import execute
+from h2o_stream.apps.perplexity.run import CHECKPOINT_KIND, CHECKPOINT_VERSION, PerplexityRun
+from h2o_stream.apps.perplexity.stream import token_pieces
 from h2o_stream.files import write_json, write_verified
+from ppl_helpers import TEXT, ppl, ppl_error, result, snapshot, write_corpus
+from tiny_models import char_tokenizer, tiny_model
 
 
 @pytest.fixture
@@ -115,7 +116,8 @@ def test_results_record_what_they_are_bound_to(finished, corpus):
     done = result(out, "h2o-16")
     settings = done["settings"]
     assert settings["dtype"] == "float32" and settings["device"] == "cpu" and len(settings["model_weights"]) == 16
-    assert settings["data_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest() and settings["curve_every"] == 1000
+    assert settings["data_sha256"] == hashlib.sha256(corpus.read_bytes()).hexdigest()
+    assert settings["curve_every"] == 1000
     assert settings["data_bytes"] == corpus.stat().st_size and "data_path" not in settings
     assert done["data_path"] == os.path.relpath(corpus.resolve())  # where it was read, relative, outside the binding
     assert not any(os.path.isabs(word) for word in shlex.split(done["command"]))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from ppl_helpers import command, ppl, ppl_error, result, snapshot, write_corpus
-from tiny_models import save_tiny_model_dir
 
 from h2o_stream.apps.perplexity.leaderboard import leaderboard
 from h2o_stream.apps.perplexity.report import results_in, run_label
 from h2o_stream.apps.perplexity.sweep import run_specs
+from ppl_helpers import command, ppl, ppl_error, result, snapshot, write_corpus
+from tiny_models import save_tiny_model_dir
 
 
 def test_a_part_given_several_values_is_swept_one_named_run_each():

@@ -4,13 +4,15 @@ is flat, sliding-window layers left to their window, and the refusals."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
-from tiny_models import random_ids, tiny_model
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, stream_perplexity
 from h2o_stream.engine.layer_types import layer_windows
 from h2o_stream.engine.policies.declarations import pyramid_budgets
+from tiny_models import random_ids, tiny_model
 
 
 @pytest.mark.parametrize("ranked, layers, beta", [(224, 30, 20), (7, 2, 2), (100, 7, 3), (5, 4, 20), (64, 1, 20)])
@@ -20,7 +22,7 @@ def test_the_schedule_runs_from_twice_the_mean_down_to_a_beta_th_with_the_same_t
     assert budgets == sorted(budgets, reverse=True)  # the lowest layer keeps the most
     if layers > 1:
         assert budgets[0] == 2 * ranked - ranked // beta and budgets[-1] == ranked // beta
-        steps = [a - b for a, b in zip(budgets, budgets[1:])]
+        steps = [a - b for a, b in itertools.pairwise(budgets)]
         assert max(steps) - min(steps) <= 1  # equal steps, up to rounding
 
 
@@ -65,7 +67,7 @@ def test_a_flat_schedule_is_snapkv_token_for_token(chunk):
         runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
     (flat, flat_kept, evicted), (snap, snap_kept, snap_evicted) = runs
     assert evicted > 0 and evicted == snap_evicted
-    assert torch.equal(flat, snap) and all(torch.equal(a, b) for a, b in zip(flat_kept, snap_kept))
+    assert torch.equal(flat, snap) and all(torch.equal(a, b) for a, b in zip(flat_kept, snap_kept, strict=True))
 
 
 def test_sliding_window_layers_keep_their_window_and_the_schedule_spreads_over_the_global_layers():

@@ -10,9 +10,9 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import assert_same_runs, ppl, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.files import WRITE_DELAY_ENV
+from ppl_helpers import assert_same_runs, ppl, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 pytest.importorskip("ray", reason="the ray extra is not installed (pip install 'h2o-stream[ray]')")
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tiny_models import tiny_model
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine.cache import StreamingLayer
 from h2o_stream.rope_rolling import RopeRoller
+from tiny_models import tiny_model
 
 
 def rotate_like_the_model(model, raw, position):

@@ -6,15 +6,16 @@ import json
 
 import pytest
 import torch
-from policy_matrix import ALL, build
-from ppl_helpers import assert_same_runs, ppl_command, run_to_end, write_corpus
-from tiny_models import VOCAB, tiny_model
 
 from h2o_stream import StreamingCache
 from h2o_stream.apps.perplexity.rows import RunRows
-from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
+from h2o_stream.apps.perplexity.run import PerplexityRun
+from h2o_stream.apps.perplexity.stream import token_pieces
 from h2o_stream.engine import RowsCache
 from h2o_stream.errors import H2OStreamError
+from policy_matrix import ALL, build
+from ppl_helpers import assert_same_runs, ppl_command, run_to_end, write_corpus
+from tiny_models import VOCAB, tiny_model
 
 
 def _row_caches(model, spread: int = 0) -> list[StreamingCache]:
@@ -44,7 +45,7 @@ def test_each_row_equals_its_cache_alone(kv_heads, spread):
         logits = model(piece.expand(len(rows), -1), cache=batch).logits
         for i, cache in enumerate(alone):
             assert torch.allclose(logits[i], model(piece, cache=cache).logits[0], atol=1e-9), cache.policy.describe()
-            for mine, theirs in zip(rows[i].layers, cache.layers):
+            for mine, theirs in zip(rows[i].layers, cache.layers, strict=True):
                 assert torch.equal(mine.positions, theirs.positions)
                 assert (mine.scores is None) == (theirs.scores is None) == (not mine.policy.needs_scores)
                 if mine.scores is not None:
@@ -63,7 +64,7 @@ def test_misfits_are_refused_with_every_cache_untouched():
     with pytest.raises(H2OStreamError, match="chunk of 6 tokens over a cache of 4"):
         model(ids, cache=batch)  # the second row's chunk is wider than its cache: neither row may change
     after = [layer.state() for cache in (wide, narrow) for layer in cache.layers]
-    for old, new in zip(before, after):
+    for old, new in zip(before, after, strict=True):
         assert all(torch.equal(old[k], new[k]) if isinstance(old[k], torch.Tensor) else old[k] == new[k] for k in old)
     with pytest.raises(H2OStreamError, match="has 2 rows and the forward brings a batch of 3"):
         model(torch.randint(2, VOCAB, (3, 2)), cache=batch)
@@ -90,11 +91,11 @@ def test_runs_as_rows_equal_runs_alone_per_token():
     RunRows(together).run(pieces(), limit=400)
     for run in alone:
         run.run(pieces(), limit=400)
-    for mine, theirs in zip(together, alone):
+    for mine, theirs in zip(together, alone, strict=True):
         assert mine.position == theirs.position == 400 and mine.predicted == theirs.predicted == 399
         difference = (torch.cat(mine.token_nll) - torch.cat(theirs.token_nll)).abs().mean().item()
         assert difference <= 1e-5, mine.policy.describe()
-        for a, b in zip(mine.cache.layers, theirs.cache.layers):
+        for a, b in zip(mine.cache.layers, theirs.cache.layers, strict=True):
             assert torch.equal(a.positions, b.positions)
 
 

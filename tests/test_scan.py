@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import stream_for
-from policy_matrix import BANDED, EVICTING, build
-from tiny_models import VOCAB, random_ids, tiny_model
 
 from h2o_stream import StreamingCache
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
+from oracle import stream_for
+from policy_matrix import BANDED, EVICTING, build
+from tiny_models import VOCAB, random_ids, tiny_model
 
 UNBANDED = [name for name in EVICTING if name not in BANDED]
 
@@ -63,7 +63,7 @@ def _tolerance(policy) -> float:
 
 def _same_entries(scanned, plain):
     atol = _tolerance(scanned.policy.name)
-    for mine, theirs in zip(scanned.layers, plain.layers):
+    for mine, theirs in zip(scanned.layers, plain.layers, strict=True):
         assert torch.equal(mine.positions, theirs.positions)
         assert torch.allclose(mine.keys, theirs.keys, atol=atol)
         assert (mine.scores is None) == (theirs.scores is None) == (not mine.policy.needs_scores)
@@ -212,9 +212,9 @@ def test_decide_every_is_checked():
 @pytest.mark.parametrize("reset_per_book", [False, True])
 def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_per_book):
     """Books of odd lengths, so chunks straddle book ends (two forwards in the plain run, two blocks in the scan)."""
+    from h2o_stream.apps.perplexity.run import PerplexityRun
+    from h2o_stream.apps.perplexity.stream import token_pieces
     from tiny_models import char_tokenizer
-
-    from h2o_stream.apps.perplexity.run import PerplexityRun, token_pieces
     model, tokenizer = tiny_model("llama", init_std=0.2).double(), char_tokenizer()
     text = "The quick brown fox, it said; jumps over the lazy dog.\n" * 12
     books = [text[:301], text[:77], text[:420]]

@@ -12,9 +12,9 @@ import urllib.request
 
 import openai
 import pytest
-from serve_helpers import GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
 
 from h2o_stream.apps.serve import Limits
+from serve_helpers import GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "user assistant system"]
 

@@ -3,9 +3,8 @@
 
 from __future__ import annotations
 
-from serve_helpers import CACHE, GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
-
 from h2o_stream.apps.chat.formats import chat_format
+from serve_helpers import CACHE, GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "turn number one two three",
                   "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]

@@ -10,13 +10,13 @@ import time
 
 import openai
 import pytest
-from serve_helpers import GREEDY, MODEL, conversation, extra, reply_of, serve_process, served
-from test_ppl_files import crafted_body, with_header  # a file that runs code if unpickled unsafely
 
 import h2o_stream.files
 from h2o_stream.apps.chat.session_file import SESSION_FORMAT, SESSION_VERSION
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import WRITE_DELAY_ENV, read_verified
+from serve_helpers import GREEDY, MODEL, conversation, extra, reply_of, serve_process, served
+from test_ppl_files import crafted_body, with_header  # a file that runs code if unpickled unsafely
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "user assistant system"]
 

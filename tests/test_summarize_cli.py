@@ -59,8 +59,8 @@ def test_command_reads_stdin(model_dir):
     assert result.stdout.strip()
 
 
-HARD_WRAPPED = ["Elizabeth Bennet meets", " Mr. Darcy at a ball", ",\nand they quarrel.", "\n", "\nLater", " she\nreads",
-                " his letter:\n", "- he", " saved Lydia\n", "- he loves", " her\nstill and"]
+HARD_WRAPPED = ["Elizabeth Bennet meets", " Mr. Darcy at a ball", ",\nand they quarrel.", "\n", "\nLater",
+                " she\nreads", " his letter:\n", "- he", " saved Lydia\n", "- he loves", " her\nstill and"]
 
 
 def summarizing(pieces: list[str], stop_reason: str):

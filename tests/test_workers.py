@@ -13,10 +13,10 @@ import subprocess
 import sys
 
 import pytest
-from ppl_helpers import assert_same_runs, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 from h2o_stream.apps.perplexity.progress import Bars, SentBars
 from h2o_stream.files import WRITE_DELAY_ENV
+from ppl_helpers import assert_same_runs, ppl_command, run_to_end, subprocess_env, wait_for, write_corpus
 
 RUNS = ["h2o-16", "sink-16", "tova-16", "h2o-24"]
 
@@ -63,9 +63,8 @@ def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_mode
 
 
 def test_auto_workers_is_one_single_thread_worker_per_core_as_memory_allows():
-    from tiny_models import tiny_model
-
     from h2o_stream.apps.perplexity.workers import auto_workers, threads_per_worker
+    from tiny_models import tiny_model
     model = tiny_model("llama")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     plenty = 1 << 40
@@ -83,7 +82,7 @@ def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):
     assert "'many' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", "many")
 
 
-def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once(ppl_model_dir, tmp_path):  # noqa: F811
+def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once(ppl_model_dir, tmp_path):
     """Two workers' runs, drawn by the parent: each bar names its run; transformers' "Loading weights" shows once (the
     parent's), not per worker; a line says what loads before the quiet seconds of importing torch."""
     pexpect = pytest.importorskip("pexpect")

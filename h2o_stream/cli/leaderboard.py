@@ -11,8 +11,19 @@ from click.core import ParameterSource
 from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leaderboard
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
-from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
-                      ray_option, rows_option, sliding_option, workers_option)
+
+from .options import (
+    cache_options,
+    checkpoint_option,
+    command_argv,
+    data_option,
+    loading_note,
+    model_options,
+    ray_option,
+    rows_option,
+    sliding_option,
+    workers_option,
+)
 from .ppl import run_sweep
 
 #: every registered policy with a bounded cache (full has no cache size to compare at)

@@ -13,8 +13,19 @@ from h2o_stream.apps.perplexity.interrupt import Interrupted, StopRequest
 from h2o_stream.apps.perplexity.outdir import claim
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.errors import H2OStreamError
-from .options import (cache_options, checkpoint_option, command_argv, data_option, loading_note, model_options,
-                      ray_option, rows_option, sliding_option, workers_option)
+
+from .options import (
+    cache_options,
+    checkpoint_option,
+    command_argv,
+    data_option,
+    loading_note,
+    model_options,
+    ray_option,
+    rows_option,
+    sliding_option,
+    workers_option,
+)
 
 if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     from h2o_stream.apps.perplexity.sweep import Sweep
@@ -113,7 +124,7 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
             if ray_address is not None or workers != 1:
                 _, plans = sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
                 if workers is None:  # --workers auto: from the runs (or groups of rows) left to do
-                    left = {name for (name, _), plan in zip(sweep.specs, plans) if not plan.done}
+                    left = {name for (name, _), plan in zip(sweep.specs, plans, strict=True) if not plan.done}
                     workers = auto_workers(sum(any(name in left for name in group) for group in sweep.groups()),
                                            loaded.model)
             if ray_address is not None or workers > 1:

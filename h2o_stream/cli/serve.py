@@ -10,9 +10,8 @@ from pathlib import Path
 
 import click
 
-from h2o_stream.errors import H2OStreamError
-
 from h2o_stream.apps.chat.defaults import DEFAULT_CACHE_SIZE
+from h2o_stream.errors import H2OStreamError
 
 from .options import cache_options, model_options
 

@@ -9,14 +9,24 @@ from pathlib import Path
 import click
 
 from h2o_stream.apps.summarize.documents import Document, as_document, text_from_bytes
-from h2o_stream.apps.summarize.settings import (DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_INSTRUCTION,
-                                                DEFAULT_MAX_NEW_TOKENS, DEFAULT_NO_REPEAT_NGRAM_SIZE, DEFAULT_POLICY,
-                                                DEFAULT_REPETITION_PENALTY, DEFAULT_SECTION_MAX_NEW_TOKENS,
-                                                DEFAULT_TEMPERATURE, DEFAULT_TOP_P, STRATEGIES, check_settings)
+from h2o_stream.apps.summarize.settings import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_INSTRUCTION,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_NO_REPEAT_NGRAM_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_SECTION_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    STRATEGIES,
+    check_settings,
+)
 from h2o_stream.apps.summarize.text import Unwrap, ends_a_sentence, unwrap
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.loading.corpus import SAMPLE
 from h2o_stream.files import atomic_path
+from h2o_stream.loading.corpus import SAMPLE
 
 from .options import cache_options, model_options
 
@@ -39,7 +49,8 @@ from .options import cache_options, model_options
               help="hierarchical: length limit of each section summary.")
 @click.option("--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
               help="0 = greedy (deterministic).")
-@click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True, help="Nucleus sampling (temperature > 0).")
+@click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True,
+              help="Nucleus sampling (temperature > 0).")
 @click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature > 0).")
 @click.option("--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, show_default=True,
               help="1 = off.")

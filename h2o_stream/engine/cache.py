@@ -31,12 +31,22 @@ from transformers.cache_utils import Cache
 from ..errors import H2OStreamError
 from ..rope_rolling import RopeRoller
 from .attention import causal_mask
-from .checks import _check_attention_mask, _continues, _describe, _model_shape
+from .checks import (
+    _check_attention_mask,
+    _check_batch,
+    _check_chunk,
+    _check_context,
+    _check_positions,
+    _check_same_model,
+    _check_slots,
+    _check_stream_fits,
+    _check_token_ids,
+    _model_shape,
+)
 from .hooks import active_cache, attach
 from .layer import StreamingLayer, compiled_loop
 from .layer_types import layer_policies, layer_windows, token_slots
 from .policies import EvictionPolicy
-
 
 #: the chunk size for policies whose chunked mode equals exact mode at any chunk (band policies, the full cache)
 BAND_CHUNK = 256
@@ -80,15 +90,8 @@ class StreamingCache(Cache):
         policies = layer_policies(policy, windows, sliding)
         budget = max((p.budget for p in policies if p.budget is not None), default=None)
         context = getattr(config, "max_position_embeddings", None)
-        if rolling and budget is not None and context is not None and budget + 1 > context:
-            if policy.layer_schedule is None:
-                raise H2OStreamError(
-                    f"cache size {budget} does not fit the model's context of {context} positions "
-                    f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
-            raise H2OStreamError(
-                f"{policy.describe()} keeps {budget} entries in its lowest layer, which does not fit the model's "
-                f"context of {context} positions (a step needs budget + 1 positions); use a smaller cache size")
-        super().__init__(layers=[StreamingLayer(p, r, i) for i, (p, r) in enumerate(zip(policies, rollers))])
+        _check_context(policy, budget, context, rolling)
+        super().__init__(layers=[StreamingLayer(p, r, i) for i, (p, r) in enumerate(zip(policies, rollers, strict=True))])
         self.policy = policy
         self.sliding = sliding
         self.rolling = rolling
@@ -134,7 +137,7 @@ class StreamingCache(Cache):
         self.settle()
         if self.policy.layer_schedule is None:
             return self._held
-        held = [layer.slots for layer, window in zip(self.layers, self._windows) if window is None]
+        held = [layer.slots for layer, window in zip(self.layers, self._windows, strict=True) if window is None]
         return sum(held) // len(held)
 
     @property
@@ -182,20 +185,13 @@ class StreamingCache(Cache):
         A scanned cache (`decide_every`) takes forwards of any width: it decides every `decide_every` tokens inside
         them, so no decision covers more than that.
         """
-        bounded = [p.budget for p, fair in zip(self.layer_policies, self._fair) if p.band() is None
+        bounded = [p.budget for p, fair in zip(self.layer_policies, self._fair, strict=True) if p.band() is None
                    and p.budget is not None]
         return None if not bounded or self.decide_every is not None else min(bounded)
 
     def check_chunk_size(self, chunk_size: int) -> None:
         """Refuse (H2OStreamError) a chunk size wider than `max_chunk`; apps call it up front, before any work."""
-        limit = self.max_chunk
-        if limit is not None and chunk_size > limit:
-            where = "its smallest layer's budget" if self.policy.layer_schedule is not None else "the cache size"
-            raise H2OStreamError(
-                f"{self.policy.describe()} decides what to keep once per chunk, and a chunk of "
-                f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
-                f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most {where} "
-                f"({limit}), a larger cache, or exact (token-by-token) mode")
+        _check_chunk(chunk_size, self.max_chunk, self.policy)
 
     def check_fits(self, tokens: int) -> None:
         """Refuse (H2OStreamError) `tokens` more stream tokens whose positions would pass the model's context.
@@ -204,13 +200,7 @@ class StreamingCache(Cache):
         position table (an IndexError deep in the model otherwise). begin_forward checks every forward; an app may
         call this up front with the length of a whole stream.
         """
-        if self.rolling or self.context is None or self.seen + tokens <= self.context:
-            return
-        left = max(self.context - self.seen, 0)
-        raise H2OStreamError(
-            f"without rolling, tokens sit at their stream positions and the model has {self.context} positions: "
-            f"{self.context} tokens fit in all and {left} more fit in this cache ({self.seen} fed so far), not "
-            f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream")
+        _check_stream_fits(tokens, rolling=self.rolling, context=self.context, seen=self.seen)
 
     def check_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
                       attention_mask: torch.Tensor | None = None) -> tuple[list[int] | None, int, list[int] | None]:
@@ -221,22 +211,16 @@ class StreamingCache(Cache):
         silently wrong numbers."""
         batch, length = inputs.shape[:2]
         self._check_model(model)
-        self._check_batch(batch)
+        _check_batch(self.layers[0].positions, batch)
         _check_attention_mask(attention_mask)
-        self._check_positions(position_ids, length)
+        _check_positions(position_ids, self.seen, length)
         blocks = self.blocks(length)
         if self._held and blocks is None:  # a prompt into an empty cache may be wider (generate prefills it at once)
             self.check_chunk_size(length)
         self.check_fits(length)
-        if self.policy.needs_tokens and (inputs.dim() != 2 or inputs.is_floating_point()):
-            raise H2OStreamError(f"{self.policy.describe()} reads the token id of every entry: call the model with "
-                                 "input_ids, not inputs_embeds")
+        _check_token_ids(self.policy, inputs)
         start, slots = self._slots_of(length, blocks)
-        last = start + length - 1 if slots is None else slots[-1]
-        if self.rolling and self.context is not None and last >= self.context:
-            raise H2OStreamError(
-                f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
-                f"{last}, beyond the model's context of {self.context}; use a smaller chunk or cache")
+        _check_slots(start, slots, length, rolling=self.rolling, context=self.context)
         return blocks, start, slots
 
     def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
@@ -313,37 +297,8 @@ class StreamingCache(Cache):
         return sizes if len(sizes) > 1 else None
 
     def _check_model(self, model) -> None:
-        if model is None or model is self._model():
-            return
-        config = model.config.get_text_config(decoder=True)
-        theirs = _model_shape(config)
-        differs = "" if theirs == self._model_shape else f"; that one has {_describe(theirs)}"
-        raise H2OStreamError(f"this StreamingCache was made for another model ({_describe(self._model_shape)})"
-                             f"{differs}: make a new StreamingCache for each model")
-
-    def _check_batch(self, batch: int) -> None:
-        held = self.layers[0].positions
-        if held is not None and held.shape[0] != batch:
-            raise H2OStreamError(f"this cache holds {held.shape[0]} stream(s) and the forward brings a batch of "
-                                 f"{batch}: reset() the cache (or make a new one) before changing the batch size")
-
-    def _check_positions(self, position_ids: torch.Tensor | None, length: int) -> None:
-        """The forward must bring tokens, and a caller's position ids must continue the stream the cache holds.
-
-        model.generate slices its input by the tokens the cache has seen and passes position ids; given a prompt the
-        cache already holds, it feeds a tail of it (or nothing) at positions the cache is long past.
-        """
-        if length and (position_ids is None or _continues(position_ids, self.seen, length)):
-            return
-        if length and position_ids.numel():
-            first, last = position_ids.min().item(), position_ids.max().item()
-            given = f"the forward's position ids ({first}..{last}) do not continue"
-        else:
-            given = "the forward brings no tokens to continue"
-        raise H2OStreamError(
-            f"{given} the stream this cache holds ({self.seen} tokens seen, so the next is at {self.seen}). "
-            f"model.generate does this when given a prompt the cache already holds: pass the whole sequence so far, "
-            f"or reset() the cache or make a new one")
+        """Refuse a forward of `model` (the base model, or None) if this cache was made for another (rows.py too)."""
+        _check_same_model(model, self._model(), self._model_shape)
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """transformers' `Cache.update`, only from a forward h2o-stream has set up (see `attach`)."""
@@ -381,5 +336,5 @@ class StreamingCache(Cache):
             raise H2OStreamError(f"saved cache was made with sliding layers {state.get('sliding')!r}, not {mine!r}")
         if len(state["layers"]) != len(self.layers):
             raise H2OStreamError(f"saved cache has {len(state['layers'])} layers, this model {len(self.layers)}")
-        for layer, layer_state in zip(self.layers, state["layers"]):
+        for layer, layer_state in zip(self.layers, state["layers"], strict=True):
             layer.load_state(layer_state)

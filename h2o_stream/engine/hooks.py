@@ -28,8 +28,15 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .attention import (attend_with_scores, attend_with_sink_queries, causal_additive_mask, causal_mask,
-                        fused_sink_attention_applies, layer_mean, sink_queries)
+from .attention import (
+    attend_with_scores,
+    attend_with_sink_queries,
+    causal_additive_mask,
+    causal_mask,
+    fused_sink_attention_applies,
+    layer_mean,
+    sink_queries,
+)
 
 ATTENTION_NAME = "h2o_stream"
 _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)

@@ -88,7 +88,7 @@ class RowsCache(Cache):
         plans = [cache.check_forward(inputs[i:i + 1], model=model, position_ids=row(position_ids, i),
                                      attention_mask=row(attention_mask, i)) for i, cache in enumerate(self.caches)]
         positions = [cache.start_forward(inputs[i:i + 1], plan)[0]
-                     for i, (cache, plan) in enumerate(zip(self.caches, plans))]
+                     for i, (cache, plan) in enumerate(zip(self.caches, plans, strict=True))]
         return torch.cat(positions), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

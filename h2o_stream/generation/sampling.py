@@ -13,8 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from transformers import (LogitsProcessorList, NoRepeatNGramLogitsProcessor, RepetitionPenaltyLogitsProcessor,
-                          TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+from transformers import (
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from h2o_stream.errors import H2OStreamError
 

@@ -310,7 +310,8 @@ def _make_cache_dir(directory: Path) -> None:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise H2OStreamError(
-            f"cannot create the cache directory {directory} ({one_line(exc)}): set H2O_STREAM_CACHE to a writable directory"
+            f"cannot create the cache directory {directory} ({one_line(exc)}): "
+            "set H2O_STREAM_CACHE to a writable directory"
         ) from exc
 
 

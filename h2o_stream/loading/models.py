@@ -16,8 +16,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.loading.default_model import (DEFAULT_MODEL, NAMED_MODELS, cache_dir, default_gguf_path, load_default,
-                                              load_gguf_once, load_named)
+from h2o_stream.loading.default_model import (
+    DEFAULT_MODEL,
+    NAMED_MODELS,
+    cache_dir,
+    default_gguf_path,
+    load_default,
+    load_gguf_once,
+    load_named,
+)
 from h2o_stream.loading.sources import from_directory, from_hub
 
 if TYPE_CHECKING:
@@ -75,7 +82,8 @@ def resolve_device(name: str) -> torch.device:
                 f"device {name!r} does not exist: {count} CUDA GPU(s) are visible, cuda:0 to cuda:{count - 1}"
             )
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise H2OStreamError(f"device {name!r} is not available here: torch cannot use Apple's MPS backend on this machine; use cpu instead")
+        raise H2OStreamError(f"device {name!r} is not available here: torch cannot use Apple's MPS backend on this "
+                             "machine; use cpu instead")
     return torch.device(f"{kind}:{index}" if index is not None else kind)
 
 
@@ -133,7 +141,8 @@ def _ready_for_inference(model, device: torch.device):
     try:
         model.to(device)
     except torch.OutOfMemoryError as exc:
-        raise H2OStreamError(f"the model does not fit in the memory of {device}: use a smaller dtype or another device") from exc
+        raise H2OStreamError(f"the model does not fit in the memory of {device}: "
+                             "use a smaller dtype or another device") from exc
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":

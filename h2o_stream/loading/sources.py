@@ -6,6 +6,7 @@ cause (a wrong path, a broken file, no network) into one-line `H2OStreamError`s 
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import socket
@@ -32,12 +33,14 @@ def from_directory(path: Path, dtype: torch.dtype, *, rust_tokenizer: bool = Fal
 
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
-        hint = f"to use the GGUF file in it, pass {ggufs[0]}" if ggufs else "pass a directory written by save_pretrained, or a .gguf file"
+        hint = (f"to use the GGUF file in it, pass {ggufs[0]}" if ggufs
+                else "pass a directory written by save_pretrained, or a .gguf file")
         raise H2OStreamError(f"{path} is not a model directory, it has no config.json: {hint}")
     # The tokenizer first: it is quick, so a directory without one fails before the weights load.
     # Without any tokenizer file, transformers' own complaint is a paragraph about sentencepiece.
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise H2OStreamError(f"{path} has no tokenizer (no tokenizer.json): save one there with tokenizer.save_pretrained")
+        raise H2OStreamError(f"{path} has no tokenizer (no tokenizer.json): "
+                             "save one there with tokenizer.save_pretrained")
     try:
         tokenizer = rust_tokenizer_of(path) if rust_tokenizer else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -160,7 +163,7 @@ def _gguf_load_error(path: Path, exc: Exception) -> H2OStreamError:
         # Parses the whole header, and checks every tensor lies inside the file. It takes seconds
         # on a real model, so it runs only to explain a failure.
         gguf.GGUFReader(path)
-    except Exception:
+    except Exception:  # noqa: BLE001 - whatever the reader raises, the file is not readable GGUF
         return H2OStreamError(
             f"{path} is not a readable GGUF file ({one_line(exc)}): it may be truncated or corrupt; download it again"
         )
@@ -174,8 +177,6 @@ def _hub_errors() -> tuple[type[BaseException], ...]:
     # huggingface_hub uses httpx (renamed httpx2 in huggingface_hub 2.x) for its requests.
     errors: list[type[BaseException]] = [OSError]
     for module_name in ("httpx2", "httpx"):
-        try:
+        with contextlib.suppress(ImportError, AttributeError):  # that client is not installed, or has no HTTPError
             errors.append(importlib.import_module(module_name).HTTPError)
-        except (ImportError, AttributeError):
-            pass
     return tuple(errors)

@@ -10,8 +10,16 @@ from __future__ import annotations
 import hashlib
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.generation import (STAND_IN_REPLY, STAND_IN_USER, TemplateError, closing_text, end_of_turn_id, render,
-                                   stop_token_ids, suffix)
+from h2o_stream.generation import (
+    STAND_IN_REPLY,
+    STAND_IN_USER,
+    TemplateError,
+    closing_text,
+    end_of_turn_id,
+    render,
+    stop_token_ids,
+    suffix,
+)
 
 
 class ChatFormat:

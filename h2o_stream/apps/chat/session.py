@@ -29,7 +29,7 @@ from h2o_stream.errors import H2OStreamError
 from h2o_stream.generation import Decoder, Generation, Sampling, stop_token_ids
 
 from . import session_file
-from .defaults import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE  # noqa: F401  (re-exported)
+from .defaults import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE
 from .formats import ChatFormat, chat_format
 from .session_file import RECENT_MESSAGES, model_fingerprint, new_cache
 from .stats import TurnResult, session_stats

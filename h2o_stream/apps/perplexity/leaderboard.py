@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import itertools
 import math
 import os
 import random
@@ -22,8 +23,18 @@ import statistics
 from pathlib import Path
 
 from h2o_stream.files import atomic_path, write_json
-from .report import (LINE_STYLES, cache_size, check_comparable, pyplot, results_in, run_label, save_figure,
-                     title_figure, title_of)
+
+from .report import (
+    LINE_STYLES,
+    cache_size,
+    check_comparable,
+    pyplot,
+    results_in,
+    run_label,
+    save_figure,
+    title_figure,
+    title_of,
+)
 
 FILES = ("leaderboard.json", "leaderboard.md", "ppl_vs_cache.png", "windowed_ppl.png")
 BASELINES = ("sink", "h2o")
@@ -136,7 +147,7 @@ def ratio_interval(result: dict, base: dict, window: int = INTERVAL_WINDOW, draw
     if len(ends) < 5:
         return None
     mine, theirs = window_nlls(result["curve"], ends), window_nlls(base["curve"], ends)
-    lengths = [end - start for start, end in zip([0, *ends], ends)]
+    lengths = [end - start for start, end in itertools.pairwise([0, *ends])]
     generator = random.Random(seed)
     ratios = []
     for _ in range(draws):
@@ -187,7 +198,7 @@ def windowed(curve: list[tuple[int, float]], windows: int = 25) -> list[tuple[in
     stride = max(1, round((len(curve) - 1) / windows))
     points = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve[stride - 1::stride]]
     return [(end, math.exp((total - before) / (end - start)))
-            for (start, before), (end, total) in zip(points, points[1:]) if end > start]
+            for (start, before), (end, total) in itertools.pairwise(points) if end > start]
 
 
 def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
@@ -207,7 +218,7 @@ def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> di
 def _windows_text(ends: list[int]) -> str:
     """', windows of 1,000 tokens' (or 'of about ...' when they differ: curve points fall at forward ends) for windows
     ending at `ends`, the first starting at 0; '' for none."""
-    lengths = [end - start for start, end in zip([0, *ends], ends)]
+    lengths = [end - start for start, end in itertools.pairwise([0, *ends])]
     if not lengths:
         return ""
     typical = statistics.median_low(lengths)
@@ -257,7 +268,7 @@ def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     fig, axes = pyplot().subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False,
                                   layout="constrained")
     styles = _styles(results)
-    for ax, size in zip(axes[0], sizes):
+    for ax, size in zip(axes[0], sizes, strict=False):  # one empty panel when there is no size
         ends = set()
         # each panel: that size's runs, and the reference (no eviction) in every panel
         for r in sorted((r for r in results if cache_size(r) in (size, None)), key=run_label):

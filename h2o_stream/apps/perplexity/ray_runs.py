@@ -17,6 +17,7 @@ from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError, one_line
 from h2o_stream.files import write_json
+
 from .interrupt import Interrupted, StopRequest
 from .schema import read_result
 from .sweep import run_share, write_reports

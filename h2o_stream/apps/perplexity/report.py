@@ -1,7 +1,8 @@
 """Result files: the PPL-vs-tokens plot and the summary table (JSON goes through h2o_stream.files).
 
-Reports cover every run result in the output directory (`results_in`), not only the runs of the latest call. The budget split of a result is read from its settings by its policy's declared parts, so a new policy needs nothing
-here; each policy gets its own line style in the order the policies first appear.
+Reports cover every run result in the output directory (`results_in`), not only the runs of the latest call. The budget
+split of a result is read from its settings by its policy's declared parts, so a new policy needs nothing here; each
+policy gets its own line style in the order the policies first appear.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from h2o_stream.engine.policies import policy_class
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import atomic_path, is_partial, write_json  # noqa: F401  (write_json re-exported for callers)
+
 from .schema import read_result
 
 LINE_STYLES = ("-", "--", ":", "-.")
@@ -144,7 +146,7 @@ def summary_table(results: list[dict]) -> str:
         rows.append((r["settings"]["policy"], split or "-", str(cache_size(r) or "-"), f"{r['tokens_fed']:,}",
                      f"{r['ppl']:.3f}", f"{r['tokens_per_second']:.0f}", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 

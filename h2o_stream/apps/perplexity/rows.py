@@ -15,7 +15,8 @@ import torch
 from h2o_stream.engine.rows import RowsCache
 from h2o_stream.errors import H2OStreamError
 
-from .run import PerplexityRun, feed_stream
+from .run import PerplexityRun
+from .stream import feed_stream
 
 #: what runs riding together must share: the forwards are cut from these
 SHARED = ("span", "position", "book", "book_start", "reset_per_book")
@@ -56,7 +57,7 @@ class RunRows:
         started = time.perf_counter()
         batch = ids.to(self.model.device).unsqueeze(0).expand(len(self.runs), -1)
         logits = self.model(batch, cache=self.cache).logits
-        for run, row in zip(self.runs, logits):
+        for run, row in zip(self.runs, logits, strict=True):
             run.take_logits(ids, row)
         share = (time.perf_counter() - started) / len(self.runs)
         for run in self.runs:

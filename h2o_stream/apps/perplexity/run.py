@@ -13,18 +13,19 @@ from __future__ import annotations
 import math
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import psutil
 import torch
 
-from h2o_stream.engine.cache import BAND_CHUNK, StreamingCache, default_chunk_size
+from h2o_stream.engine.cache import StreamingCache
 from h2o_stream.engine.policies import EvictionPolicy, make_policy
 from h2o_stream.errors import H2OStreamError, one_line
 from h2o_stream.files import UnverifiedFile, read_verified, write_verified
 
 from .digest import StreamDigest
+from .stream import feed_stream, forward_span, token_nll, token_pieces
 
 CHECKPOINT_KIND = "h2o-stream perplexity checkpoint"
 CHECKPOINT_VERSION = 2  # 1: unverified torch pickles (refused: they could run code)
@@ -256,40 +257,6 @@ class PerplexityRun:
         self.process_starts = starts if starts[-1:] == [self.position] else [*starts, self.position]
 
 
-def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
-                on_progress=None, checkpoint=None, before_cut_short=None) -> None:
-    """Feed (book index, token ids) pieces of the stream to `run` (a PerplexityRun, or runs fed as the rows of one
-    batch: anything with `position`, `span`, `book_start`, `start_book(index)` and `feed_chunk(ids)`) from its
-    position on.
-
-    Forwards are cut at multiples of the span of the stream position (per book with reset_per_book), so a resumed
-    run makes exactly the forwards an uninterrupted one would. `on_progress(run, fed)` is called after every forward;
-    `checkpoint(run)` after every forward an uninterrupted longer run would also make (all but a last one that
-    `limit` cuts short: a state there would make a longer resumed run cut its forwards differently);
-    `before_cut_short(run)` once, before such a last forward (a checkpoint taken there lets a longer run resume as
-    if never stopped).
-    """
-    for index, ids in skip_tokens_of(pieces, run.position):
-        run.start_book(index)
-        offset = 0
-        while offset < ids.numel():
-            if limit is not None and run.position >= limit:
-                return
-            room = min(run.span - (run.position - run.book_start) % run.span, ids.numel() - offset)
-            cut_short = limit is not None and limit - run.position < room
-            if cut_short:
-                if before_cut_short is not None:
-                    before_cut_short(run)
-                room = limit - run.position
-            piece = ids[offset:offset + room]
-            run.feed_chunk(piece)
-            offset += piece.numel()
-            if on_progress is not None:
-                on_progress(run, piece.numel())
-            if checkpoint is not None and not cut_short:
-                checkpoint(run)
-
-
 def settings_difference(saved: dict, current: dict) -> str:
     """"key: saved → current" for every setting that differs, e.g. "dtype: 'float32' → 'bfloat16'"."""
     differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
@@ -298,61 +265,6 @@ def settings_difference(saved: dict, current: dict) -> str:
         return ("the corpus is another text: another corpus under the same name or one edited since would mix two "
                 f"streams in one result; {listed}")
     return listed
-
-
-def skip_tokens_of(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Drop the first `count` tokens of the stream (already fed before a resume)."""
-    for index, ids in pieces:
-        if count >= ids.numel():
-            count -= ids.numel()
-            continue
-        yield index, ids[count:]
-        count = 0
-
-
-def token_pieces(texts_or_ids, tokenizer=None) -> Iterator[tuple[int, torch.Tensor]]:
-    """(book index, ids) from a 1-D tensor / list of ints (one book), or an iterable of texts or Books."""
-    if isinstance(texts_or_ids, torch.Tensor):
-        yield 0, texts_or_ids.reshape(-1).long()
-        return
-    if isinstance(texts_or_ids, list) and texts_or_ids and isinstance(texts_or_ids[0], int):
-        yield 0, torch.tensor(texts_or_ids, dtype=torch.long)
-        return
-    if isinstance(texts_or_ids, str):
-        texts_or_ids = [texts_or_ids]
-    if tokenizer is None:
-        raise H2OStreamError("texts need a tokenizer")
-    for index, item in enumerate(texts_or_ids):
-        text = getattr(item, "text", item)
-        yield index, torch.tensor(tokenizer(text)["input_ids"], dtype=torch.long)
-
-
-#: rows of logits per cross-entropy call in `token_nll`
-NLL_ROWS = 32
-
-
-def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Per-token negative log-likelihood (T,) of `targets` (T,) under `logits` (T, vocab), in blocks of `NLL_ROWS`
-    rows: a block's log-softmax stays in the CPU cache, where one call over a chunk's 256 x 49,152 logits writes and
-    rereads 50 MB (3x faster on SmolLM2's vocabulary at 1 and 2 threads, the same values bit for bit)."""
-    if targets.numel() <= NLL_ROWS:  # one block; also a chunk's first token alone, which predicts nothing (empty)
-        return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    return torch.cat([torch.nn.functional.cross_entropy(logits[i:i + NLL_ROWS], targets[i:i + NLL_ROWS],
-                                                        reduction="none")
-                      for i in range(0, targets.numel(), NLL_ROWS)])
-
-
-def forward_span(policy: EvictionPolicy, chunk_size: int | None, span: int | None) -> tuple[int, int]:
-    """(chunk size, span) of a run: those given, else the policy's `default_chunk_size` and its `default_span`."""
-    chunk_size = default_chunk_size(policy) if chunk_size is None else chunk_size
-    return chunk_size, default_span(chunk_size) if span is None else span
-
-
-def default_span(chunk_size: int) -> int:
-    """Tokens per forward for a chunk size: the largest multiple of it up to 256 (at least the chunk itself). Measured
-    on SmolLM2 at cache 256, one thread: h2o in fair chunks of 16 runs at 102 tok/s one forward per chunk and 219
-    scanned in forwards of 256; exact mode at 14 and 77."""
-    return chunk_size * max(1, BAND_CHUNK // chunk_size)
 
 
 def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
@@ -364,7 +276,7 @@ def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | Evicti
 
     `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them. `chunk_size` None is
     the policy's default (`default_chunk_size`); chunks are fair (no query sees more than budget + 1 keys) unless
-    `wide_chunks`. `span` (tokens per forward, a multiple of the chunk size; `default_span`) changes speed only.
+    `wide_chunks`. `span` (tokens per forward, a multiple of the chunk size; `stream.default_span`) changes speed only.
     `sliding` is what a model's sliding-window layers keep: "window" (their trained window) or "policy"
     (engine/layer_types.py)."""
     if not isinstance(policy, EvictionPolicy):

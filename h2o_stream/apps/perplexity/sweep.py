@@ -1,12 +1,9 @@
-"""A sweep: one resumable perplexity run per policy × cache size over a corpus, each with a checkpoint and a result file.
+"""A sweep: one resumable perplexity run per policy × cache size over a corpus, each with a checkpoint and a result
+file.
 
-Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result), `ppl.png` and `summary.json`
-(both over every run result in the directory, not only this call's). A result is `PerplexityResult.to_json()` plus
-`requested_tokens`, `corpus_exhausted` (the corpus ended first), `stream_sha256` (digest of the tokens fed),
-`data_path` (the corpus's path relative to where the command ran; its size and sha256 are in `settings`), `versions`
-(h2o_stream, torch, transformers, python, threads) and `command` (absolute paths in it made relative). Its `rss_samples` are (stream position,
-resident bytes) at doublings of the position and of the tokens the current process fed, and at the end;
-`process_starts` says where each of the run's processes began (a resumed run's memory is comparable within one).
+Files in the output directory: `<run>.ckpt` (for resuming), `<run>.json` (the result; its fields: `execution`),
+`ppl.png` and `summary.json` (both over every run result in the directory, not only this call's). The runs are fed and
+checkpointed by `execution.execute`.
 
 Every run is checked before the first one starts (its policy, budget and chunk against the model, its checkpoint and
 result files, the corpus against its checkpoint: `binding`), so a bad one fails before any work or any write.
@@ -15,28 +12,25 @@ result files, the corpus against its checkpoint: `binding`), so a bad one fails 
 from __future__ import annotations
 
 import dataclasses
-import datetime
-import errno
 import itertools
-import platform
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import transformers
 
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
 from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
-from h2o_stream.version import __version__
-from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan, portable_command
+
+from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan
+from .execution import execute, result_record, write
 from .interrupt import Interrupted, StopRequest
 from .progress import Bars
 from .report import check_comparable, plot_curves, results_in, title_of
-from .rows import RunRows
-from .run import PerplexityRun, forward_span, skip_tokens_of
+from .run import PerplexityRun
+from .stream import forward_span, skip_tokens_of
 
 REPORTS = ("ppl.png", "summary.json")
 
@@ -74,7 +68,7 @@ def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None
             continue
         for size in dict.fromkeys(sizes):
             for values in itertools.product(*swept.values()):
-                choice = dict(zip(swept, values))
+                choice = dict(zip(swept, values, strict=True))
                 suffix = "".join(f"-{part}={value}" for part, value in choice.items())
                 specs.append((f"{name}-{size}{suffix}", make_policy(name, size, tokenizer=tokenizer, **fixed,
                                                                      **choice)))
@@ -186,7 +180,7 @@ class Sweep:
         parent."""
         out = Path(self.out)
         new_run, plans = self.check_runs(model, tokenizer, model_name)
-        policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans))
+        policies, starts = dict(self.specs), dict(zip((name for name, _ in self.specs), plans, strict=True))
         for group in self.groups():
             if self.resume:
                 for name in [name for name in group if starts[name].done]:
@@ -201,7 +195,7 @@ class Sweep:
                 runs = [self._start(name, policies[name], new_run, starts[name], note) for name in names]
                 execute(runs, self.pieces(tokenizer), self.tokens, [out / f"{name}.ckpt" for name in names],
                         self.checkpoint_every, stop, ", ".join(names), bars)
-                for name, run in zip(names, runs):
+                for name, run in zip(names, runs, strict=True):
                     self._finish(name, run, len(runs), note)
         return write_reports(out) if report else []
 
@@ -261,85 +255,3 @@ def write_reports(out: Path) -> list[dict]:
     write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
                                                              for r in results]))
     return results
-
-
-def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: list[Path], checkpoint_every: int,
-            stop: StopRequest | None = None, name: str | None = None, bars: Bars | None = None) -> None:
-    """Feed `runs` (one, or several at the same stream position fed as the rows of one batch: `RunRows`) up to
-    `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and at the end, so that
-    a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after the current forward
-    and raises `Interrupted`. Progress goes to `bars` (default: a bar drawn here), named `name` (default: the run's)."""
-    feeder = runs[0] if len(runs) == 1 else RunRows(runs)
-    last_checkpoint = feeder.position
-    bars = Bars() if bars is None else bars
-    label = name or checkpoint_paths[0].stem
-    bars.update(label, feeder.position, tokens)
-
-    def progress(_, fed: int) -> None:
-        ppl = "ppl=" + "/".join(f"{run.running_ppl:.2f}" for run in runs) if runs[0].predicted else None
-        bars.update(label, feeder.position, tokens, ppl)
-
-    def save(_=None) -> None:
-        nonlocal last_checkpoint
-        for run, path in zip(runs, checkpoint_paths):
-            try:
-                run.save(path)
-            except OSError as error:
-                full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-                kept = (f"the last good checkpoint, at token {last_checkpoint:,}, is kept" if path.exists()
-                        else "there is no earlier checkpoint of this run")
-                raise H2OStreamError(f"could not write the checkpoint {path}: {error.strerror or error}{full}; no "
-                                     f"partial file is left and {kept}. Free some space and continue with --resume"
-                                     ) from None
-        last_checkpoint = feeder.position
-
-    def checkpoint(_) -> None:
-        if stop is not None and stop.requested:
-            save()
-            raise Interrupted(stop.signum, name or checkpoint_paths[0].stem, feeder.position)
-        if feeder.position - last_checkpoint >= checkpoint_every:
-            save()
-
-    cut_short = False
-
-    def save_before_cut(_) -> None:
-        # The last forward is cut short by --tokens: checkpoint before it, so that a later --resume with more
-        # --tokens feeds it whole and equals an uninterrupted run.
-        nonlocal cut_short
-        save()
-        cut_short = True
-
-    try:
-        feeder.run(pieces, limit=tokens, on_progress=progress, checkpoint=checkpoint, before_cut_short=save_before_cut)
-    finally:
-        bars.finish(label)
-    if not cut_short and feeder.position != last_checkpoint:
-        save()
-
-
-def write(path: Path, writer: Callable[[Path], None]) -> None:
-    """`writer(path)`, a failed write (a full disk) as one clear error; the previous file stays intact."""
-    try:
-        writer(path)
-    except OSError as error:
-        raise H2OStreamError(f"could not write {path}: {error.strerror or error}; the previous file is kept") from None
-
-
-def result_record(run: PerplexityRun, requested_tokens: int, command: str, corpus_path: str | None = None) -> dict:
-    """The result file's content for `run` (see the module docstring for the schema); the command and the corpus's
-    path are recorded relative to the current directory."""
-    result = run.result().to_json()
-    result["requested_tokens"] = requested_tokens
-    result["corpus_exhausted"] = run.position < requested_tokens
-    result["stream_sha256"] = run.digest.hexdigest()
-    result["data_path"] = corpus_path
-    result["versions"] = versions()
-    result["command"] = portable_command(command)
-    result["finished"] = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-    return result
-
-
-def versions() -> dict:
-    """The versions a result was made with, and torch's thread count (it changes speed, not results)."""
-    return {"h2o_stream": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads()}

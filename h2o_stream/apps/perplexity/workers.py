@@ -18,6 +18,7 @@ import threading
 import time
 
 from h2o_stream.errors import H2OStreamError
+
 from .interrupt import SIGNALS, Interrupted, StopRequest
 from .progress import Bars, SentBars
 from .sweep import run_share, write_reports

@@ -112,7 +112,8 @@ class Service:
         history = parse_history(request.messages, {"policy": policy, "rolling": self.settings.rolling,
                                                    "model": self._model_key})
         sampling = {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                    "repetition_penalty": request.repetition_penalty, "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens}
+                    "repetition_penalty": request.repetition_penalty,
+                    "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens}
         return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))
 
 

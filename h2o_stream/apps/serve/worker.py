@@ -12,6 +12,7 @@ through its own asyncio queue.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -66,10 +67,8 @@ class Job:
     def emit(self, kind: str, value=None) -> None:
         if kind in ("done", "error"):
             self.finished = True
-        try:
+        with contextlib.suppress(RuntimeError):  # the event loop is gone (shutting down): nobody is listening
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
-        except RuntimeError:  # the event loop is gone (shutting down): nobody is listening
-            pass
 
 
 class Worker:

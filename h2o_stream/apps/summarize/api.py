@@ -19,10 +19,21 @@ from .documents import as_document
 from .prompts import build_prompt, encode
 from .reader import Reader
 from .results import SectionSummary, SummaryResult
-from .settings import (DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_INSTRUCTION, DEFAULT_MAX_NEW_TOKENS,
-                       DEFAULT_NO_REPEAT_NGRAM_SIZE, DEFAULT_POLICY, DEFAULT_REPETITION_PENALTY,
-                       DEFAULT_SECTION_INSTRUCTION, DEFAULT_SECTION_MAX_NEW_TOKENS, DEFAULT_TEMPERATURE, DEFAULT_TOP_P,
-                       check_settings, positive_int)
+from .settings import (
+    DEFAULT_CACHE_SIZE,
+    DEFAULT_CHUNK_SIZE,
+    DEFAULT_INSTRUCTION,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_NO_REPEAT_NGRAM_SIZE,
+    DEFAULT_POLICY,
+    DEFAULT_REPETITION_PENALTY,
+    DEFAULT_SECTION_INSTRUCTION,
+    DEFAULT_SECTION_MAX_NEW_TOKENS,
+    DEFAULT_TEMPERATURE,
+    DEFAULT_TOP_P,
+    check_settings,
+    positive_int,
+)
 
 
 def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_size: int | None = DEFAULT_CACHE_SIZE,

@@ -41,7 +41,7 @@ def build_prompt(tokenizer, instruction: str, *, preamble: str = DOCUMENT_PREAMB
         try:
             rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
                                                      add_generation_prompt=True)
-        except Exception:  # a template that refuses our message (jinja raises anything): use the plain prompt
+        except Exception:  # noqa: BLE001 - a template that refuses our message (jinja raises anything): use the plain prompt
             rendered = None
         if isinstance(rendered, str) and rendered.count(_CHAT_PLACEHOLDER) == 1:
             head, tail = rendered.split(_CHAT_PLACEHOLDER)

@@ -17,6 +17,7 @@ tests' oracle): whether layers carry scores and of what shape, how a step's atte
 (`update_scores`, `query_weights`), which slots a cut keeps (`keep`, `keep_twice`), the band of a policy that needs no
 decision inside a chunk (`band`), the compiled loop's rule (`drop_one`), and whether cuts nest (`cuts_nest`). A policy
 whose cut none of the rankings says overrides `keep` (ranking None); it then runs on the tensor operations only.
+The declaration is checked when its class is defined (validation.py); the scores' arithmetic is in score_updates.py.
 """
 
 from __future__ import annotations
@@ -29,17 +30,22 @@ if TYPE_CHECKING:  # torch is imported where it is used: the registry loads with
 
 from h2o_stream.errors import H2OStreamError
 
-from ..memo import memoised
-from .declarations import (HEAVY, RANKINGS, RECENT, SCHEDULES, SINKS, DropOne, Part, Scores, Setting, check_count,
-                           pyramid_budgets, shrink_parts, split_budget)
+from . import score_updates
+from .declarations import (
+    HEAVY,
+    RECENT,
+    SINKS,
+    DropOne,
+    Part,
+    Scores,
+    Setting,
+    check_count,
+    pyramid_budgets,
+    shrink_parts,
+    split_budget,
+)
 from .slots import at_slots, first_slots, keep_top, last_slots
-
-#: the settings a policy with Gumbel-regularised scores declares (`Scores.gumbel`)
-GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
-#: what a cut does with the entries it evicts (`EvictionPolicy.eviction`)
-EVICTIONS = ("drop", "merge")
-#: the settings a policy that merges declares
-MERGE_SETTINGS = ("merge_span", "merge_seed")
+from .validation import check_declaration
 
 __all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
            "shrink_parts", "split_budget"]
@@ -69,7 +75,7 @@ class EvictionPolicy:
     #: the budget in every layer; None: every layer the budget
     layer_schedule: ClassVar[str | None] = None
     #: what a cut does with what it evicts: "drop", or "merge" (cam: each merged into the entries after it, by the
-    #: latest attention and a seeded coin; policies/merging.py; needs Scores("latest") and MERGE_SETTINGS)
+    #: latest attention and a seeded coin; policies/merging.py; needs Scores("latest") and validation.MERGE_SETTINGS)
     eviction: ClassVar[str] = "drop"
 
     # -- derived from the declaration, per class (the engine and the command line read them) ------------------------
@@ -92,33 +98,9 @@ class EvictionPolicy:
         if not isinstance(cls.parts, tuple) or not all(isinstance(part, Part) for part in cls.parts):
             raise H2OStreamError(f"{cls.__qualname__}.parts must be a tuple of Part declarations")
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
-        if not isinstance(cls.options, tuple) or not all(isinstance(option, Setting) for option in cls.options):
-            raise H2OStreamError(f"{cls.__qualname__}.options must be a tuple of Setting declarations")
-        if cls.scoring is not None and not isinstance(cls.scoring, Scores):
-            raise H2OStreamError(f"{cls.__qualname__}.scoring must be a Scores declaration or None")
         if "keep" in cls.__dict__ and "ranking" not in cls.__dict__:
             cls.ranking = None  # a cut of its own
-        if cls.ranking is not None and cls.ranking not in RANKINGS:
-            raise H2OStreamError(f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
-                                 f"`keep` of its own), not {cls.ranking!r}")
-        if cls.ranking in ("score", "mean", "pooled") and cls.scoring is None:
-            raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
-        if cls.ranking == "mean" and cls.scoring.accumulate != "moments":
-            raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
-        if cls.layer_schedule is not None and (cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age")
-                                               or len(cls._ranked_part_names()) != 1):
-            raise H2OStreamError(f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
-                                 "policy with a ranking and one ranked part")
-        if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
-            raise H2OStreamError(f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings "
-                                 f"{', '.join(GUMBEL_SETTINGS)}")
-        if cls.eviction not in EVICTIONS:
-            raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")
-        if cls.eviction == "merge" and (cls.scoring is None or cls.scoring.accumulate != "latest"
-                                        or cls.scoring.heads != "kv"
-                                        or not set(MERGE_SETTINGS) <= set(cls.option_names())):
-            raise H2OStreamError(f"{cls.__qualname__} merges what it evicts and needs Scores('latest') per KV head "
-                                 f"and the settings {', '.join(MERGE_SETTINGS)}")
+        check_declaration(cls)  # the rest of the declaration (validation.py)
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
@@ -250,10 +232,7 @@ class EvictionPolicy:
         """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group,
         q_len, k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads,
         k_len) given as stream indices (engine/draws.py)."""
-        from ..draws import gumbel_noise, temperatures
-
-        noise = gumbel_noise(self.gumbel_seed, layer, group, queries, keys, dtype)
-        return noise, temperatures(self.tau_init, self.tau_end, self.tau_steps, queries).to(keys.device)
+        return score_updates.gumbel_draws(self, layer, queries, keys, group, dtype)
 
     def _value_of(self, declared: float | str) -> float:
         """A `Scores` number as declared: the number itself, or the value of the setting it names."""
@@ -263,28 +242,13 @@ class EvictionPolicy:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
         `received` as `score_heads` and `score_queries` say (weighted by `query_weights`); `steps` is the number of
         queries (tokens) in the forward. Called only with `needs_scores`."""
-        accumulate = self.scoring.accumulate
-        if accumulate == "latest":
-            scores.copy_(received)  # only the current query's attention counts
-        elif accumulate == "window":  # received: one column per query, the forward's last ones (oldest first)
-            arrived = received.shape[-1]
-            if arrived >= scores.shape[-1]:
-                scores.copy_(received[..., -scores.shape[-1]:])
-            else:  # the window moves on by the forward's queries
-                scores[..., :-arrived] = scores[..., arrived:].clone()
-                scores[..., -arrived:] = received
-        elif accumulate == "decay":
-            scores.mul_(self.decay ** steps).add_(received)  # `steps` decays, as many steps would
-        else:
-            scores += received
+        score_updates.update_scores(self, scores, received, steps)
 
     def query_weights(self, length: int) -> torch.Tensor | None:
         """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). Scores
         that decay weigh query i by the decay of the steps after it, so that a chunk leaves the scores its steps
         would: decay ** (length - 1 - i)."""
-        if self.scoring is None or self.scoring.accumulate != "decay":
-            return None
-        return _decays(self.decay, length)
+        return score_updates.query_weights(self, length)
 
     # -- cuts ---------------------------------------------------------------------------------------------------
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor) -> torch.Tensor:
@@ -388,11 +352,3 @@ class EvictionPolicy:
     def settings(self) -> dict:
         """{'policy': name, **fields}: what checkpoints compare and result files record."""
         return {"policy": self.name, **vars(self)}
-
-
-@memoised(32)
-def _decays(alpha: float, length: int) -> torch.Tensor:
-    """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
-    Memoised (every layer of every chunk asks for the same); never modify the result."""
-    import torch
-    return alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)

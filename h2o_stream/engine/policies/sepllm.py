@@ -30,7 +30,7 @@ def separator_ids(tokenizer) -> tuple[int, ...]:
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(len(tokenizer)) if i not in special]
     texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
-    return tuple(i for i, text in zip(ids, texts) if text and all(c in SEPARATOR_PUNCTUATION or c.isspace()
+    return tuple(i for i, text in zip(ids, texts, strict=True) if text and all(c in SEPARATOR_PUNCTUATION or c.isspace()
                                                                   for c in text))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from h2o_stream.errors import H2OStreamError
+
 from .base import EvictionPolicy, check_count
 from .registry import declared_options, declared_parts, policy_class
 
