@@ -34,27 +34,55 @@ GROUPS = ("sinks", "recent", "older")
 
 
 @click.command()
-@click.option("--model", "models", default="default,gemma3-270m", show_default=True,
-              help="Models, comma-separated ('default': SmolLM2-135M-Instruct).")
-@click.option("--windows", type=click.IntRange(min=1), default=4, show_default=True,
-              help="Windows of the corpus, one after another from its start.")
+@click.option(
+    "--model",
+    "models",
+    default="default,gemma3-270m",
+    show_default=True,
+    help="Models, comma-separated ('default': SmolLM2-135M-Instruct).",
+)
+@click.option(
+    "--windows",
+    type=click.IntRange(min=1),
+    default=4,
+    show_default=True,
+    help="Windows of the corpus, one after another from its start.",
+)
 @click.option("--length", type=click.IntRange(min=2), default=1024, show_default=True, help="Tokens per window.")
 @click.option("--sinks", type=click.IntRange(min=0), default=4, show_default=True)
-@click.option("--recent", type=click.IntRange(min=1), default=252, show_default=True,
-              help="Recent keys (sink at cache 256 keeps 4 sinks + 252 recent).")
+@click.option(
+    "--recent",
+    type=click.IntRange(min=1),
+    default=252,
+    show_default=True,
+    help="Recent keys (sink at cache 256 keeps 4 sinks + 252 recent).",
+)
 @click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True)
 @data_option
-@click.option("--out", default=str(RESULTS / "models" / "attention_by_distance"), show_default=True,
-              help="Writes OUT.json and OUT.png.")
+@click.option(
+    "--out",
+    default=str(RESULTS / "models" / "attention_by_distance"),
+    show_default=True,
+    help="Writes OUT.json and OUT.png.",
+)
 def attention(models, windows, length, sinks, recent, threads, data, out) -> None:
     """Attention mass on sinks, the recent window and older keys, per layer, per model."""
     if sinks + recent >= length:
-        raise click.BadParameter(f"--sinks + --recent ({sinks + recent}) must be below --length ({length}): no "
-                                 "query would be far enough in", param_hint="--length")
+        raise click.BadParameter(
+            f"--sinks + --recent ({sinks + recent}) must be below --length ({length}): no query would be far enough in",
+            param_hint="--length",
+        )
     setup(threads)
-    report = {"benchmark": "attention mass by key distance, the model's own forward (no cache)",
-              "data": corpus_record(data), "windows": windows, "length": length, "sinks": sinks, "recent": recent,
-              "models": {}, "environment": environment()}
+    report = {
+        "benchmark": "attention mass by key distance, the model's own forward (no cache)",
+        "data": corpus_record(data),
+        "windows": windows,
+        "length": length,
+        "sinks": sinks,
+        "recent": recent,
+        "models": {},
+        "environment": environment(),
+    }
     for spec in [m.strip() for m in models.split(",") if m.strip()]:
         loaded = load_model(None if spec == "default" else spec)
         report["models"][loaded.name] = measure(loaded, data, windows, length, sinks, recent)
@@ -72,9 +100,11 @@ def measure(loaded, data: str, windows: int, length: int, sinks: int, recent: in
     keys = torch.arange(length)
     distance = queries[:, None] - keys[None, :]  # >= 0 where a query may look
     visible = distance >= 0
-    group_of = {"sinks": (keys < sinks)[None, :].expand_as(distance),
-                "recent": visible & (distance < recent),
-                "older": (keys >= sinks)[None, :] & (distance >= recent)}
+    group_of = {
+        "sinks": (keys < sinks)[None, :].expand_as(distance),
+        "recent": visible & (distance < recent),
+        "older": (keys >= sinks)[None, :] & (distance >= recent),
+    }
     buckets = int(math.log2(length)) + 1
     # distance 0 is bucket 0, distances 2^(b-1) .. 2^b - 1 bucket b
     bucket = torch.where(distance > 0, torch.log2(distance.clamp(min=1).float()).floor().long() + 1, 0)[visible]
@@ -91,10 +121,15 @@ def measure(loaded, data: str, windows: int, length: int, sinks: int, recent: in
                     layers[index][name] += float((probs * mask).sum(1).mean()) / len(ids)
                 by_distance.index_add_(0, bucket, probs[visible] / (len(queries) * len(attentions) * len(ids)))
     types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-    return {"layers": [{**layer, "type": types[i] if types else "full_attention"} for i, layer in enumerate(layers)],
-            "mean": {name: sum(layer[name] for layer in layers) / len(layers) for name in GROUPS},
-            "by_distance": {("0" if b == 0 else f"{2 ** (b - 1)}-{2 ** b - 1}"): float(by_distance[b])
-                            for b in range(buckets + 1) if 2 ** max(b - 1, 0) < length}}
+    return {
+        "layers": [{**layer, "type": types[i] if types else "full_attention"} for i, layer in enumerate(layers)],
+        "mean": {name: sum(layer[name] for layer in layers) / len(layers) for name in GROUPS},
+        "by_distance": {
+            ("0" if b == 0 else f"{2 ** (b - 1)}-{2**b - 1}"): float(by_distance[b])
+            for b in range(buckets + 1)
+            if 2 ** max(b - 1, 0) < length
+        },
+    }
 
 
 def plot(report: dict, path: Path) -> None:
@@ -118,8 +153,12 @@ def plot(report: dict, path: Path) -> None:
         ax.set_ylim(0, 1.06)
     axes[0].set_ylabel(f"attention mass (queries >= {report['sinks'] + report['recent']} into a window)")
     axes[0].legend(fontsize=8, loc="lower right")
-    save_figure(fig, path, f"Attention on the first {report['sinks']} keys, the last {report['recent']} and older "
-                           f"ones: {report['data']['name']}, {report['windows']} windows of {report['length']} tokens")
+    save_figure(
+        fig,
+        path,
+        f"Attention on the first {report['sinks']} keys, the last {report['recent']} and older "
+        f"ones: {report['data']['name']}, {report['windows']} windows of {report['length']} tokens",
+    )
 
 
 def models_section(res, page) -> list[str]:
@@ -131,14 +170,20 @@ def models_section(res, page) -> list[str]:
     lines = []
     attention = res.get("models/attention_by_distance.json")
     if attention:
-        lines += ["## Where the models' attention goes", "",
-                  f"Per layer, the attention mass queries put on the window's first {attention['sinks']} keys (what "
-                  f"sink keeps for good), the last {attention['recent']} (sink's recent window, the query's own "
-                  "included) and the older keys between them (the only ones a heavy-hitter policy can add), on the "
-                  f"model's own forward over {attention['windows']} windows of {attention['length']:,} tokens; the "
-                  "mean over layers here, each layer in the figure.", ""]
-        rows = [[model, *(num(100 * values["mean"][group], 1) + "%" for group in GROUPS),
-                 str(len(values["layers"]))] for model, values in attention["models"].items()]
+        lines += [
+            "## Where the models' attention goes",
+            "",
+            f"Per layer, the attention mass queries put on the window's first {attention['sinks']} keys (what "
+            f"sink keeps for good), the last {attention['recent']} (sink's recent window, the query's own "
+            "included) and the older keys between them (the only ones a heavy-hitter policy can add), on the "
+            f"model's own forward over {attention['windows']} windows of {attention['length']:,} tokens; the "
+            "mean over layers here, each layer in the figure.",
+            "",
+        ]
+        rows = [
+            [model, *(num(100 * values["mean"][group], 1) + "%" for group in GROUPS), str(len(values["layers"]))]
+            for model, values in attention["models"].items()
+        ]
         lines += table(["model", *GROUPS, "layers"], rows, {1, 2, 3, 4})
         lines += [source(res, "models/attention_by_distance.json"), ""]
         lines += res.figure("models/attention_by_distance.png", page, "attention mass by distance")
@@ -146,15 +191,31 @@ def models_section(res, page) -> list[str]:
     if equivalence:
         target = equivalence["targets"]["nll"]
         full, sink = equivalence["full_vs_forward"], equivalence["sink_chunked_vs_exact"]
-        lines += [f"## {equivalence['model']} streamed against its own forward", "",
-                  f"{equivalence['tokens']:,} tokens in forwards of {equivalence['chunk']}; the target: within "
-                  f"{target:g} nats.", ""]
-        lines += table(["comparison", "mean NLL difference", "largest per-token difference", "within target"], [
-            ["full cache in chunks vs the model's forward", f"{full['mean_nll_difference']:.1e}",
-             f"{full['max_token_difference']:.1e}", "yes" if full["mean_nll_difference"] <= target else "NO"],
-            [f"chunked sink vs exact sink, cache {equivalence['cache_size']}", f"{sink['mean_nll_difference']:.1e}",
-             f"{sink['max_token_difference']:.1e}",
-             "yes" if sink["max_token_difference"] <= target else "NO (per token)"]], {1, 2})
+        lines += [
+            f"## {equivalence['model']} streamed against its own forward",
+            "",
+            f"{equivalence['tokens']:,} tokens in forwards of {equivalence['chunk']}; the target: within "
+            f"{target:g} nats.",
+            "",
+        ]
+        lines += table(
+            ["comparison", "mean NLL difference", "largest per-token difference", "within target"],
+            [
+                [
+                    "full cache in chunks vs the model's forward",
+                    f"{full['mean_nll_difference']:.1e}",
+                    f"{full['max_token_difference']:.1e}",
+                    "yes" if full["mean_nll_difference"] <= target else "NO",
+                ],
+                [
+                    f"chunked sink vs exact sink, cache {equivalence['cache_size']}",
+                    f"{sink['mean_nll_difference']:.1e}",
+                    f"{sink['max_token_difference']:.1e}",
+                    "yes" if sink["max_token_difference"] <= target else "NO (per token)",
+                ],
+            ],
+            {1, 2},
+        )
         lines += [source(res, "models/gemma3_equivalence.json"), ""]
         lines += res.figure("models/gemma3_equivalence.png", page, "Gemma 3 equivalence")
     return lines

@@ -26,22 +26,29 @@ if TYPE_CHECKING:
 
 #: corpora the committed results were measured on, by sha256: what the name alone does not say
 KNOWN_CORPORA = {
-    "fc5ec85632126ad47472a49fec755bd68eb1a862fccda3b268b2c7923fff8792":
-        "21 public-domain Gutenberg books published before 1919",
+    "fc5ec85632126ad47472a49fec755bd68eb1a862fccda3b268b2c7923fff8792": (
+        "21 public-domain Gutenberg books published before 1919"
+    ),
 }
 CORPUS = "<corpus>"  # what a recorded command line shows in place of the corpus's path
 RESULTS = Path("eval/results")
 
 #: --data for every suite that reads text: the sample shipped with the package unless a corpus is named
-data_option = click.option("--data", default="sample", show_default=True,
-                           help="Corpus to read: sample (shipped with h2o-stream), or a .jsonl / .parquet / .txt file "
-                                "or a directory of them.")
+data_option = click.option(
+    "--data",
+    default="sample",
+    show_default=True,
+    help="Corpus to read: sample (shipped with h2o-stream), or a .jsonl / .parquet / .txt file or a directory of them.",
+)
 #: --model for the timed suites (a local directory or .gguf loads offline; the tests pass a tiny random model)
-model_option = click.option("--model", "model_spec", default=None,
-                            help="Model to load (default: SmolLM2-135M-Instruct).")
+model_option = click.option(
+    "--model", "model_spec", default=None, help="Model to load (default: SmolLM2-135M-Instruct)."
+)
+
 
 class BadInput(click.ClickException):
     """A bad input to a suite: one clear `Error: ...` line and exit status 2 (click's own usage errors exit 2 too)."""
+
     exit_code = 2
 
 
@@ -87,8 +94,7 @@ def corpus_record(data: str) -> dict:
 
     size, sha = corpus_digest(data)
     name = "sample" if data == "sample" else Path(data).name
-    return {"name": name, "description": KNOWN_CORPORA.get(sha) or describe_source(data), "bytes": size,
-            "sha256": sha}
+    return {"name": name, "description": KNOWN_CORPORA.get(sha) or describe_source(data), "bytes": size, "sha256": sha}
 
 
 def load_model(spec: str | None, **options):
@@ -114,9 +120,15 @@ def environment() -> dict:
     import torch
     import transformers
 
-    return {"torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads(), "machine": platform.machine(),
-            "command": command_line(), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY")}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "command": command_line(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+    }
 
 
 def corpus_tokens(tokenizer, count: int, data: str) -> torch.Tensor:
@@ -161,7 +173,7 @@ def time_chunks(model, cache, stream: torch.Tensor, chunk: int, crop: bool) -> f
     started = time.perf_counter()
     with torch.no_grad():
         for start in range(0, stream.numel(), chunk):
-            piece = stream[start:start + chunk]
+            piece = stream[start : start + chunk]
             model(piece.unsqueeze(0), cache=cache)
             if crop:
                 cache.crop(-piece.numel())
@@ -182,8 +194,13 @@ def paired_bars(ax, groups: dict[str, dict[str, float]], pair: tuple[str, str], 
     """Two bars per group, side by side: `groups` maps each x label to {pair[0]: value, pair[1]: value}."""
     width = 0.38
     for offset, name, color in ((-width / 2, pair[0], "#4c72b0"), (width / 2, pair[1], "#dd8452")):
-        ax.bar([i + offset for i in range(len(groups))], [values[name] for values in groups.values()], width,
-               label=name, color=color)
+        ax.bar(
+            [i + offset for i in range(len(groups))],
+            [values[name] for values in groups.values()],
+            width,
+            label=name,
+            color=color,
+        )
     ax.set_xticks(range(len(groups)), list(groups))
     ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
@@ -213,8 +230,9 @@ def run_commands(commands: list[list[str]], dry_run: bool) -> None:
                 raise SystemExit(status)
 
 
-def write_result(path: str | os.PathLike, report: dict, plot: Callable[[dict, Path], None],
-                 figure: str | os.PathLike | None = None) -> Path:
+def write_result(
+    path: str | os.PathLike, report: dict, plot: Callable[[dict, Path], None], figure: str | os.PathLike | None = None
+) -> Path:
     """Write `report` as JSON at `path` and its figure (`plot(report, figure)`) at `figure`, by default beside it
     with the same name (.png); returns the JSON's path."""
     from h2o_stream.files import write_json

@@ -67,15 +67,27 @@ def lines_of(packages: dict[str, dict[str, int]]) -> list[str]:
     total = {field: sum(p[field] for p in packages.values()) for field in FIELDS}
     rows = [(name, p) for name, p in packages.items()] + [("total", total)]
     width = max(len(name) for name, _ in rows)
-    return [f"{name:<{width}}  lines {p['covered_lines']:>5}/{p['statements']:<5}  "
-            f"branches {p['covered_branches']:>4}/{p['branches']:<4}  {percent(p):5.1f}%" for name, p in rows]
+    return [
+        f"{name:<{width}}  lines {p['covered_lines']:>5}/{p['statements']:<5}  "
+        f"branches {p['covered_branches']:>4}/{p['branches']:<4}  {percent(p):5.1f}%"
+        for name, p in rows
+    ]
 
 
 @click.command()
-@click.option("--data-file", type=click.Path(dir_okay=False, path_type=Path), default=Path(".coverage"),
-              show_default=True, help="coverage.py's data file (the parallel .coverage.* beside it are combined in).")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the figures as JSON (eval/results/coverage/coverage.json is the committed one).")
+@click.option(
+    "--data-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path(".coverage"),
+    show_default=True,
+    help="coverage.py's data file (the parallel .coverage.* beside it are combined in).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the figures as JSON (eval/results/coverage/coverage.json is the committed one).",
+)
 def coverage(data_file: Path, out: Path | None) -> None:
     """Print the coverage of h2o_stream per package, from a measured test run."""
     packages = per_package(read_report(data_file))
@@ -89,9 +101,16 @@ def coverage(data_file: Path, out: Path | None) -> None:
         from h2o_stream.files import write_json
 
         out.parent.mkdir(parents=True, exist_ok=True)
-        write_json(out, {"benchmark": "coverage", "packages": packages,
-                         "total": {f: sum(p[f] for p in packages.values()) for f in FIELDS},
-                         "measured_with": "python -m pytest -q --cov (the README's test command, measured)",
-                         "coverage_py": coverage_py.__version__, "command": command_line(),
-                         "date": datetime.date.today().isoformat()})
+        write_json(
+            out,
+            {
+                "benchmark": "coverage",
+                "packages": packages,
+                "total": {f: sum(p[f] for p in packages.values()) for f in FIELDS},
+                "measured_with": "python -m pytest -q --cov (the README's test command, measured)",
+                "coverage_py": coverage_py.__version__,
+                "command": command_line(),
+                "date": datetime.date.today().isoformat(),
+            },
+        )
         click.echo(f"wrote {out}", err=True)

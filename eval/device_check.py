@@ -36,11 +36,27 @@ from h2o_stream.files import write_json
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 #: SmolLM2-135M-Instruct's shape (its config.json)
-SMOLLM2 = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
-               num_key_value_heads=3, vocab_size=49152, max_position_embeddings=8192, tie_word_embeddings=True,
-               rms_norm_eps=1e-5, rope_parameters={"rope_type": "default", "rope_theta": 100000.0})
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=101,
-            max_position_embeddings=1024, rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+SMOLLM2 = dict(
+    hidden_size=576,
+    intermediate_size=1536,
+    num_hidden_layers=30,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    vocab_size=49152,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    rms_norm_eps=1e-5,
+    rope_parameters={"rope_type": "default", "rope_theta": 100000.0},
+)
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=101,
+    max_position_embeddings=1024,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+)
 
 
 def random_llama(shape: dict, device, dtype, seed: int = 0, **overrides):
@@ -64,8 +80,9 @@ class TinyTokenizer:
 @torch.no_grad()
 def stream(model, policy, ids: torch.Tensor, chunk: int):
     cache = StreamingCache(model, policy)
-    logits = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0].float().cpu()
-                        for s in range(0, ids.shape[1], chunk)])
+    logits = torch.cat(
+        [model(ids[:, s : s + chunk], cache=cache).logits[0].float().cpu() for s in range(0, ids.shape[1], chunk)]
+    )
     return logits, cache
 
 
@@ -88,11 +105,16 @@ def correctness(device) -> list[dict]:
                             expected, cpu_cache = stream(reference, _policy(name), ids, chunk)
                             row["max_logit_difference_vs_cpu"] = (logits - expected).abs().max().item()
                             row["same_kept_entries_as_cpu"] = all(
-                                torch.equal(a.positions.cpu(), b.positions) for a, b in
-                                zip(cache.layers, cpu_cache.layers, strict=True) if a.positions is not None)
-                        row["ok"] = not row["nan"] and row.get("max_logit_difference_vs_cpu", 0) < 1e-3 and \
-                            row.get("same_kept_entries_as_cpu", True) and \
-                            all(d in ("torch.float64", "torch.float32") for d in scores)
+                                torch.equal(a.positions.cpu(), b.positions)
+                                for a, b in zip(cache.layers, cpu_cache.layers, strict=True)
+                                if a.positions is not None
+                            )
+                        row["ok"] = (
+                            not row["nan"]
+                            and row.get("max_logit_difference_vs_cpu", 0) < 1e-3
+                            and row.get("same_kept_entries_as_cpu", True)
+                            and all(d in ("torch.float64", "torch.float32") for d in scores)
+                        )
                     except Exception as error:  # noqa: BLE001 - a check reports every failure and goes on
                         row.update(ok=False, error=f"{type(error).__name__}: {error}")
                     rows.append(row)
@@ -124,7 +146,7 @@ def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
     def next_ids(count):
         start = position["at"]
         position["at"] = cache_size + (start - cache_size + count) % (3 * tokens)
-        return ids[:, start:start + count]
+        return ids[:, start : start + count]
 
     out = {}
     for name in ("h2o", "sink"):
@@ -134,10 +156,11 @@ def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
             count = tokens if mode == "chunked" else tokens // 8  # decode is slow: fewer tokens
             cache = StreamingCache(model, policy)
             for s in range(0, cache_size, chunk):
-                model(ids[:, s:s + chunk], cache=cache)
+                model(ids[:, s : s + chunk], cache=cache)
 
             def policy_step(step_size=step_size, cache=cache):
                 model(next_ids(step_size), cache=cache)
+
             out[f"{name} {mode}"] = _tokens_per_second(policy_step, count, step_size, sync)
             held = cache_size if policy.band() is not None or mode == "exact" else cache_size + 1 - chunk
             raw_name = f"raw {held}+{step_size}"
@@ -149,6 +172,7 @@ def timings(device, dtype, tokens: int, cache_size: int = 256) -> dict:
             def raw_step(raw=raw, step_size=step_size):
                 model(next_ids(step_size), cache=raw)
                 raw.crop(-step_size)
+
             out[raw_name] = _tokens_per_second(raw_step, count, step_size, sync)
     return out
 
@@ -172,12 +196,15 @@ def rows_check(device) -> dict:
     rows, alone = _row_caches(model, 16), _row_caches(model, 16)
     batch, worst = RowsCache(model, rows), 0.0
     for start in range(0, 96, 32):
-        piece = ids[:, start:start + 32]
+        piece = ids[:, start : start + 32]
         logits = model(piece.expand(len(rows), -1), cache=batch).logits
         for i, cache in enumerate(alone):
             worst = max(worst, (logits[i] - model(piece, cache=cache).logits[0]).abs().max().item())
-    same = all(torch.equal(a.positions, b.positions) for r, c in zip(rows, alone, strict=True)
-               for a, b in zip(r.layers, c.layers, strict=True))
+    same = all(
+        torch.equal(a.positions, b.positions)
+        for r, c in zip(rows, alone, strict=True)
+        for a, b in zip(r.layers, c.layers, strict=True)
+    )
     return {"max_logit_difference": worst, "same_kept_entries": same, "ok": worst < 1e-3 and same}
 
 
@@ -198,11 +225,11 @@ def rows_timings(device, dtype, tokens: int, cache_size: int = 256, span: int = 
         if way == "rows":
             batch = RowsCache(model, caches)
             for s in range(0, tokens, span):
-                model(ids[:, s:s + span].expand(len(caches), -1), cache=batch)
+                model(ids[:, s : s + span].expand(len(caches), -1), cache=batch)
         else:
             for cache in caches:
                 for s in range(0, tokens, span):
-                    model(ids[:, s:s + span], cache=cache)
+                    model(ids[:, s : s + span], cache=cache)
         sync()
         out[way] = len(caches) * tokens / (time.perf_counter() - started)
     return out
@@ -212,8 +239,14 @@ def environment() -> dict:
     """Versions, threads, machine and the command line (absolute paths made relative to the current directory)."""
     words = [os.path.relpath(w) if os.path.isabs(w) else w for w in sys.argv[1:]]
     script = "python -m eval" if sys.argv[0].endswith("__main__.py") else "python eval/device_check.py"
-    return {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version(),
-            "threads": torch.get_num_threads(), "machine": platform.machine(), "command": " ".join([script, *words])}
+    return {
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "machine": platform.machine(),
+        "command": " ".join([script, *words]),
+    }
 
 
 @click.command()
@@ -223,20 +256,32 @@ def environment() -> dict:
 def main(device, timed_tokens, out):
     """Correctness of every policy on the device, then timings (under 10 minutes on a GPU)."""
     started = time.perf_counter()
-    report = {"benchmark": "device check", "device": device, "environment": environment(),
-              "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else device}
+    report = {
+        "benchmark": "device check",
+        "device": device,
+        "environment": environment(),
+        "device_name": torch.cuda.get_device_name(0) if device.startswith("cuda") else device,
+    }
     report["correctness"] = checks = correctness(device)
     report["correctness_ok"] = all(row["ok"] for row in checks)
-    report["timings_tokens_per_second"] = {name: timings(device, dtype, timed_tokens) for name, dtype in
-                                           DTYPES.items() if device != "cpu" or dtype is torch.float32}
+    report["timings_tokens_per_second"] = {
+        name: timings(device, dtype, timed_tokens)
+        for name, dtype in DTYPES.items()
+        if device != "cpu" or dtype is torch.float32
+    }
     report["rows_check"] = rows_check(device)
-    report["rows_sweep_tokens_per_second"] = {name: rows_timings(device, dtype, timed_tokens) for name, dtype in
-                                              DTYPES.items() if device != "cpu" or dtype is torch.float32}
+    report["rows_sweep_tokens_per_second"] = {
+        name: rows_timings(device, dtype, timed_tokens)
+        for name, dtype in DTYPES.items()
+        if device != "cpu" or dtype is torch.float32
+    }
     report["seconds"] = time.perf_counter() - started
     write_json(out, report)
-    print(f"correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok; timings: "
-          f"{report['timings_tokens_per_second']}; rows {report['rows_check']}, "
-          f"{report['rows_sweep_tokens_per_second']}; {report['seconds']:.0f} s")
+    print(
+        f"correctness: {sum(r['ok'] for r in checks)}/{len(checks)} ok; timings: "
+        f"{report['timings_tokens_per_second']}; rows {report['rows_check']}, "
+        f"{report['rows_sweep_tokens_per_second']}; {report['seconds']:.0f} s"
+    )
 
 
 if __name__ == "__main__":

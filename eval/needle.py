@@ -54,25 +54,45 @@ VARIANTS = STREAMED + ("truncation",)
 @click.command()
 @click.option("--model", default=None, help="Model to load (default: SmolLM2-135M-Instruct).")
 @click.option("--cache-size", default=256, show_default=True)
-@click.option("--chunk-size", type=int, default=None,
-              help="Tokens per forward (default: each policy's default_chunk_size; truncation: 128).")
+@click.option(
+    "--chunk-size",
+    type=int,
+    default=None,
+    help="Tokens per forward (default: each policy's default_chunk_size; truncation: 128).",
+)
 @click.option("--lengths", default="1024,2048", show_default=True, help="Filler lengths in tokens.")
 @click.option("--depths", default="0,0.25,0.5,0.75,1", show_default=True, help="Needle depths, 0 = start, 1 = end.")
-@click.option("--policies", default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,truncation",
-              show_default=True,
-              help=f"Any of {','.join(VARIANTS)}.")
+@click.option(
+    "--policies",
+    default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,truncation",
+    show_default=True,
+    help=f"Any of {','.join(VARIANTS)}.",
+)
 @click.option("--trials", default=3, show_default=True)
-@click.option("--books", default="Pride and Prejudice,The Adventures of Sherlock Holmes", show_default=True,
-              help="Filler book per trial (titles, or parts of titles, from --data; cycled).")
+@click.option(
+    "--books",
+    default="Pride and Prejudice,The Adventures of Sherlock Holmes",
+    show_default=True,
+    help="Filler book per trial (titles, or parts of titles, from --data; cycled).",
+)
 @click.option("--seed", default=1919, show_default=True)
 @click.option("--new-tokens", default=8, show_default=True)
-@click.option("--threads", default=1, show_default=True,
-              help="Torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1).")
-@click.option("--budget-minutes", type=float, default=None,
-              help="Start another trial only if it should finish within this many minutes in all.")
+@click.option(
+    "--threads",
+    default=1,
+    show_default=True,
+    help="Torch threads (on a busy 2-core machine 2 threads ran 5-15x slower than 1).",
+)
+@click.option(
+    "--budget-minutes",
+    type=float,
+    default=None,
+    help="Start another trial only if it should finish within this many minutes in all.",
+)
 @data_option
-@click.option("--out", default=str(RESULTS / "needle" / "policies"), show_default=True,
-              help="Writes OUT.json and OUT.png.")
+@click.option(
+    "--out", default=str(RESULTS / "needle" / "policies"), show_default=True, help="Writes OUT.json and OUT.png."
+)
 @click.option("--no-write", is_flag=True, help="Print the table only.")
 def needle(**params) -> None:
     """Passkey retrieval through the cache, every policy: needle/policies.json (+ heat maps)."""
@@ -87,7 +107,7 @@ def make_trial(tokenizer, data: str, title: str, rng: random.Random, max_tokens:
     _, chosen = read_book(data, title)
     title, book = chosen.title, chosen.text
     start = int(len(book) * rng.uniform(0.1, 0.4))
-    text = " ".join(book[start:start + max_tokens * 7].split())  # ~4 characters a token: plenty
+    text = " ".join(book[start : start + max_tokens * 7].split())  # ~4 characters a token: plenty
     sentences = re.split(r"(?<=[.!?])\s+", text)[1:]  # drop the first, probably cut mid-sentence
     pieces = tokenizer([" " + s for s in sentences], add_special_tokens=False).input_ids
     ids, boundaries = [], [0]
@@ -97,10 +117,14 @@ def make_trial(tokenizer, data: str, title: str, rng: random.Random, max_tokens:
         ids.extend(piece)
         boundaries.append(len(ids))
     if len(ids) < max_tokens:
-        raise BadInput(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need "
-                                   f"{max_tokens}")
-    return {"book": title, "char_offset": start, "passkey": rng.randint(10000, 99999), "filler": ids,
-            "boundaries": boundaries}
+        raise BadInput(f"{title!r} from offset {start} gives only {len(ids)} filler tokens, need {max_tokens}")
+    return {
+        "book": title,
+        "char_offset": start,
+        "passkey": rng.randint(10000, 99999),
+        "filler": ids,
+        "boundaries": boundaries,
+    }
 
 
 def place(boundaries: list[int], length: int, depth: float) -> tuple[int, int]:
@@ -145,8 +169,9 @@ def read_segments(model, cache, ids: list[int], stops: list[int], span: int, on_
             on_stop(b)
 
 
-def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict], args, prompt, needle_ids,
-                 stops: set[int]) -> list:
+def run_streamed(
+    model, tokenizer, variant: str, trial: dict, cells: list[dict], args, prompt, needle_ids, stops: set[int]
+) -> list:
     """All cells of one trial for a streamed variant, as a tree of shared reads: the filler is read once; at each
     needle position a branch (a copy of the cache) reads the needle and the filler after it; at each document end on
     that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
@@ -172,19 +197,28 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
         cache = fork(model, policy, branch)
         logits = feed(model, cache, torch.tensor([prompt.suffix]), span)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
-        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
-                    "evicted": cache.evicted, "seconds_answer": round(time.perf_counter() - began, 2)})
-        print(f"  {variant:10s} trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
-              f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
+        out.append(
+            {
+                **cell,
+                "answer": answer,
+                "correct": score(answer, trial["passkey"]),
+                "evicted": cache.evicted,
+                "seconds_answer": round(time.perf_counter() - began, 2),
+            }
+        )
+        print(
+            f"  {variant:10s} trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
+            f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}",
+            flush=True,
+        )
 
     def branch_at(p: int) -> None:
         branch = fork(model, policy, base)
-        ids = needle_ids + filler[p:max(c["cut"] for c in by_ins[p])]
+        ids = needle_ids + filler[p : max(c["cut"] for c in by_ins[p])]
         groups: dict[int, list[dict]] = {}
         for c in by_ins[p]:
             groups.setdefault(c["cut"] - p + len(needle_ids), []).append(c)
-        read_segments(model, branch, ids, list(groups), span,
-                      lambda end: [ask(branch, c) for c in groups[end]])
+        read_segments(model, branch, ids, list(groups), span, lambda end: [ask(branch, c) for c in groups[end]])
 
     base = StreamingCache(model, policy, decide_every=chunk)
     feed(model, base, torch.tensor([prompt.prefix]), span)
@@ -192,8 +226,7 @@ def run_streamed(model, tokenizer, variant: str, trial: dict, cells: list[dict],
     return out
 
 
-def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, prompt, needle_ids,
-                   stops: set[int]) -> list:
+def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, prompt, needle_ids, stops: set[int]) -> list:
     """The model sees the prompt, the document's last tokens and the question: B tokens in all."""
     policy = make_policy("window", args.cache_size)
     keep = args.cache_size - len(prompt.prefix) - len(prompt.suffix)
@@ -208,10 +241,20 @@ def run_truncation(model, tokenizer, trial: dict, cells: list[dict], args, promp
         logits = feed(model, cache, torch.tensor([prompt.prefix + tail + prompt.suffix]), args.chunk_size or 128)
         answer = reply(model, tokenizer, cache, logits, args.new_tokens, stops)
         needle_seen = len(document) - p <= keep  # the whole needle sentence is in the tail
-        out.append({**cell, "answer": answer, "correct": score(answer, trial["passkey"]),
-                    "needle_in_input": needle_seen, "evicted": cache.evicted})
-        print(f"  truncation trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
-              f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}", flush=True)
+        out.append(
+            {
+                **cell,
+                "answer": answer,
+                "correct": score(answer, trial["passkey"]),
+                "needle_in_input": needle_seen,
+                "evicted": cache.evicted,
+            }
+        )
+        print(
+            f"  truncation trial {cell['trial']} len {cell['length']:6d} depth {cell['depth']:.2f}: "
+            f"{'OK ' if out[-1]['correct'] else 'no '} {answer!r}",
+            flush=True,
+        )
     return out
 
 
@@ -222,8 +265,11 @@ def accuracy_grid(results, variant, lengths, depths):
     grid = {}
     for length in lengths:
         for depth in depths:
-            scores = [r["correct"] for r in results
-                      if r["variant"] == variant and r["length"] == length and r["depth"] == depth]
+            scores = [
+                r["correct"]
+                for r in results
+                if r["variant"] == variant and r["length"] == length and r["depth"] == depth
+            ]
             scores = [s for s in scores if s is not None]
             grid[(length, depth)] = sum(scores) / len(scores) if scores else None
     return grid
@@ -241,10 +287,15 @@ def table(results, variants, lengths, depths, budget) -> str:
             mean = f"{sum(valid) / len(valid):.2f}" if valid else "n/a"
             lines.append(f"{variant:10s} {depth:5.2f} {cells}   {mean}")
         col = [[grid[(n, d)] for d in depths] for n in lengths]
-        means = [(sum(v for v in c if v is not None) / len([v for v in c if v is not None]))
-                 if any(v is not None for v in c) else None for c in col]
-        lines.append(f"{variant:10s} {'all':>5s} " + " ".join(f"{'n/a' if v is None else f'{v:.2f}':>11s}"
-                                                             for v in means))
+        means = [
+            (sum(v for v in c if v is not None) / len([v for v in c if v is not None]))
+            if any(v is not None for v in c)
+            else None
+            for c in col
+        ]
+        lines.append(
+            f"{variant:10s} {'all':>5s} " + " ".join(f"{'n/a' if v is None else f'{v:.2f}':>11s}" for v in means)
+        )
         lines.append("")
     return "\n".join(lines)
 
@@ -259,7 +310,7 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
     columns = min(len(variants), 5)
     rows = -(-len(variants) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(3.3 * columns + 1, 3.6 * rows), squeeze=False)
-    for ax in axes.flat[len(variants):]:
+    for ax in axes.flat[len(variants) :]:
         ax.axis("off")
     cmap = plt.get_cmap("RdYlGn").with_extremes(bad="#cccccc")
     image = None
@@ -269,10 +320,12 @@ def heatmap(results, variants, lengths, depths, budget, path: Path, title: str) 
         image = ax.imshow(np.ma.masked_invalid(data), cmap=cmap, vmin=0, vmax=1, aspect="auto")
         for i in range(len(depths)):
             for j in range(len(lengths)):
-                ax.text(j, i, "n/a" if np.isnan(data[i, j]) else f"{data[i, j]:.1f}", ha="center", va="center",
-                        fontsize=8)
-        ax.set_xticks(range(len(lengths)), [f"{n // 1024}k\n{n // budget}x" if n >= 1024 else str(n)
-                                            for n in lengths], fontsize=8)
+                ax.text(
+                    j, i, "n/a" if np.isnan(data[i, j]) else f"{data[i, j]:.1f}", ha="center", va="center", fontsize=8
+                )
+        ax.set_xticks(
+            range(len(lengths)), [f"{n // 1024}k\n{n // budget}x" if n >= 1024 else str(n) for n in lengths], fontsize=8
+        )
         ax.set_yticks(range(len(depths)), [f"{d:.0%}" for d in depths], fontsize=8)
         ax.set_xlabel("document length (tokens, x cache)", fontsize=8)
         ax.set_title(variant, fontsize=10)
@@ -291,15 +344,25 @@ def versions(model_name: str) -> dict:
     import transformers
 
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip() or None
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent
+            ).stdout.strip()
+            or None
+        )
     except OSError:
         commit = None
     from importlib.metadata import version
 
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "h2o_stream": version("h2o-stream"), "git_commit": commit, "model": model_name,
-            "platform": platform.platform()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "h2o_stream": version("h2o-stream"),
+        "git_commit": commit,
+        "model": model_name,
+        "platform": platform.platform(),
+    }
 
 
 def main(args) -> None:
@@ -310,8 +373,9 @@ def main(args) -> None:
     variants = [v.strip() for v in args.policies.split(",")]
     for v in variants:
         if v not in VARIANTS:
-            raise click.BadParameter(f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}",
-                                     param_hint="--policies")
+            raise click.BadParameter(
+                f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}", param_hint="--policies"
+            )
     books = [b.strip() for b in args.books.split(",")]
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -326,8 +390,10 @@ def main(args) -> None:
         if t > 0 and args.budget_minutes is not None:
             per_trial = (time.perf_counter() - started) / t
             if time.perf_counter() - started + per_trial > args.budget_minutes * 60:
-                stopped = (f"stopped after {t} trial(s): another would take ~{per_trial / 60:.0f} min more, "
-                           f"beyond --budget-minutes {args.budget_minutes}")
+                stopped = (
+                    f"stopped after {t} trial(s): another would take ~{per_trial / 60:.0f} min more, "
+                    f"beyond --budget-minutes {args.budget_minutes}"
+                )
                 print(stopped, flush=True)
                 break
         needle_ids = encode(tokenizer, " " + NEEDLE.format(key=trial["passkey"]))
@@ -336,8 +402,17 @@ def main(args) -> None:
             for length in lengths:
                 for depth in depths:
                     cut, ins = place(trial["boundaries"], length, depth)
-                    cells.append({"variant": variant, "trial": t, "length": length, "depth": depth, "cut": cut,
-                                  "ins": ins, "passkey": trial["passkey"]})
+                    cells.append(
+                        {
+                            "variant": variant,
+                            "trial": t,
+                            "length": length,
+                            "depth": depth,
+                            "cut": cut,
+                            "ins": ins,
+                            "passkey": trial["passkey"],
+                        }
+                    )
             began = time.perf_counter()
             if variant == "truncation":
                 results += run_truncation(model, tokenizer, trial, cells, args, prompt, needle_ids, stops)
@@ -346,8 +421,18 @@ def main(args) -> None:
             print(f"{variant} trial {t}: {time.perf_counter() - began:.0f} s", flush=True)
         done_trials = t + 1
         if not args.no_write:
-            write(args, loaded.name, prompt, trials[:done_trials], variants, lengths, depths, results,
-                  time.perf_counter() - started, stopped)
+            write(
+                args,
+                loaded.name,
+                prompt,
+                trials[:done_trials],
+                variants,
+                lengths,
+                depths,
+                results,
+                time.perf_counter() - started,
+                stopped,
+            )
 
     elapsed = time.perf_counter() - started
     print()
@@ -365,13 +450,21 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
     text = table(results, variants, lengths, depths, args.cache_size)
     payload = {
         "description": __doc__.split("\n\n")[0],
-        "settings": {**settings, "lengths": lengths, "depths": depths, "variants": variants,
-                     "needle": NEEDLE, "question": QUESTION, "primer": PRIMER,
-                     "prompt_tokens": {"prefix": len(prompt.prefix), "suffix": len(prompt.suffix)},
-                     "chat_template": prompt.chat, "scoring": "first number in the answer == passkey",
-                     "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) at "
-                                 "multiples of chunk_size of the tokens a cache has read, cut short at shared branch "
-                                 "points (needle positions, document ends), in scanned forwards of up to 256 tokens"},
+        "settings": {
+            **settings,
+            "lengths": lengths,
+            "depths": depths,
+            "variants": variants,
+            "needle": NEEDLE,
+            "question": QUESTION,
+            "primer": PRIMER,
+            "prompt_tokens": {"prefix": len(prompt.prefix), "suffix": len(prompt.suffix)},
+            "chat_template": prompt.chat,
+            "scoring": "first number in the answer == passkey",
+            "chunking": "chunk_size tokens (None: each policy's default_chunk_size, fair chunks) at "
+            "multiples of chunk_size of the tokens a cache has read, cut short at shared branch "
+            "points (needle positions, document ends), in scanned forwards of up to 256 tokens",
+        },
         "command": command_line(),
         "data": describe_source(args.data),
         "versions": versions(model_name),
@@ -379,13 +472,21 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
         "stopped": stopped,
         "trials": [{k: v for k, v in trial.items() if k not in ("filler", "boundaries")} for trial in trials],
         "seconds": round(elapsed, 1),
-        "accuracy": {v: {f"{n}/{d}": acc for (n, d), acc in accuracy_grid(results, v, lengths, depths).items()}
-                     for v in variants},
+        "accuracy": {
+            v: {f"{n}/{d}": acc for (n, d), acc in accuracy_grid(results, v, lengths, depths).items()} for v in variants
+        },
         "table": text,
         "results": results,
     }
     args.out_path.parent.mkdir(parents=True, exist_ok=True)
     write_json(args.out_path.with_suffix(".json"), payload)
-    heatmap(results, variants, lengths, depths, args.cache_size, args.out_path.with_suffix(".png"),
-            f"{model_name}: passkey retrieval, cache {args.cache_size} per layer & KV head, "
-            f"{len(trials)} trial(s) per cell")
+    heatmap(
+        results,
+        variants,
+        lengths,
+        depths,
+        args.cache_size,
+        args.out_path.with_suffix(".png"),
+        f"{model_name}: passkey retrieval, cache {args.cache_size} per layer & KV head, "
+        f"{len(trials)} trial(s) per cell",
+    )

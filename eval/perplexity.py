@@ -65,12 +65,29 @@ def quality():
 
 
 @quality.command()
-@click.option("--exact-dir", "exact_dirs", multiple=True, type=click.Path(exists=True, file_okay=False),
-              default=[str(RUNS / "exact")], show_default=True, help="Exact-mode runs (repeatable).")
-@click.option("--chunked-dir", type=click.Path(exists=True, file_okay=False), default=str(RUNS / "chunked"),
-              show_default=True, help="Chunked runs of the same stream.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "quality" / "gap.json",
-              show_default=True, help="JSON path; the PNG goes beside it.")
+@click.option(
+    "--exact-dir",
+    "exact_dirs",
+    multiple=True,
+    type=click.Path(exists=True, file_okay=False),
+    default=[str(RUNS / "exact")],
+    show_default=True,
+    help="Exact-mode runs (repeatable).",
+)
+@click.option(
+    "--chunked-dir",
+    type=click.Path(exists=True, file_okay=False),
+    default=str(RUNS / "chunked"),
+    show_default=True,
+    help="Chunked runs of the same stream.",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=RESULTS / "quality" / "gap.json",
+    show_default=True,
+    help="JSON path; the PNG goes beside it.",
+)
 def gap(exact_dirs, chunked_dir, out):
     """The gap per policy, from run folders (no model): quality/gap.json."""
     from h2o_stream.apps.perplexity.report import cache_size, results_in
@@ -81,20 +98,35 @@ def gap(exact_dirs, chunked_dir, out):
     if not rows:
         raise BadInput(f"no policy has a run in both {', '.join(exact_dirs)} and {chunked_dir}")
     first = chunked[next(iter(rows))]
-    report = {"benchmark": "fair chunked mode vs exact mode: the perplexity gap", "model": first["settings"]["model"],
-              "data": corpus_of(first["settings"]), "cache_size": cache_size(first),
-              "command": command_line(),
-              "runs": {"exact": [relative(d) for d in exact_dirs], "chunked": relative(chunked_dir),
-                       "commands": sorted({scrub_command(r["command"]) for name in rows
-                                           for r in (exact[name], chunked[name]) if r.get("command")}),
-                       "versions": [dict(v) for v in sorted({tuple(sorted(r.get("versions", {}).items()))
-                                                             for r in (*exact.values(), *chunked.values())})]},
-              "targets": {"abs_relative_gap": GAP_TARGET}, "gap": rows,
-              "gap_note": "exact and chunked runs read the same stream (stream_sha256 checked); the standard error "
-                          "is over the intervals of their running-PPL curves"}
+    report = {
+        "benchmark": "fair chunked mode vs exact mode: the perplexity gap",
+        "model": first["settings"]["model"],
+        "data": corpus_of(first["settings"]),
+        "cache_size": cache_size(first),
+        "command": command_line(),
+        "runs": {
+            "exact": [relative(d) for d in exact_dirs],
+            "chunked": relative(chunked_dir),
+            "commands": sorted(
+                {scrub_command(r["command"]) for name in rows for r in (exact[name], chunked[name]) if r.get("command")}
+            ),
+            "versions": [
+                dict(v)
+                for v in sorted(
+                    {tuple(sorted(r.get("versions", {}).items())) for r in (*exact.values(), *chunked.values())}
+                )
+            ],
+        },
+        "targets": {"abs_relative_gap": GAP_TARGET},
+        "gap": rows,
+        "gap_note": "exact and chunked runs read the same stream (stream_sha256 checked); the standard error "
+        "is over the intervals of their running-PPL curves",
+    }
     for name, row in rows.items():
-        print(f"{name:10s} C={row['chunk_size']:3d} gap {row['relative_gap']:+.2%} (standard error "
-              f"{row['gap_standard_error'] or math.nan:.2%}) over {row['tokens']:,} tokens")
+        print(
+            f"{name:10s} C={row['chunk_size']:3d} gap {row['relative_gap']:+.2%} (standard error "
+            f"{row['gap_standard_error'] or math.nan:.2%}) over {row['tokens']:,} tokens"
+        )
     write_result(out, report, plot_gap)
 
 
@@ -105,10 +137,17 @@ def gaps(exact: dict[str, dict], chunked: dict[str, dict]) -> dict[str, dict]:
         e, c = exact[name], chunked[name]
         if e["stream_sha256"] != c["stream_sha256"]:
             raise BadInput(f"{name}: the exact and chunked runs read different streams")
-        rows[name] = {"tokens": c["predicted_tokens"], "exact_ppl": e["ppl"], "chunked_ppl": c["ppl"],
-                      "relative_gap": c["ppl"] / e["ppl"] - 1, "gap_standard_error": gap_standard_error(e, c),
-                      "chunk_size": c["settings"]["chunk_size"], "wide_chunks": c["settings"].get("wide_chunks", True),
-                      "max_keys_seen_chunked": c.get("max_keys_seen"), "max_keys_seen_exact": e.get("max_keys_seen")}
+        rows[name] = {
+            "tokens": c["predicted_tokens"],
+            "exact_ppl": e["ppl"],
+            "chunked_ppl": c["ppl"],
+            "relative_gap": c["ppl"] / e["ppl"] - 1,
+            "gap_standard_error": gap_standard_error(e, c),
+            "chunk_size": c["settings"]["chunk_size"],
+            "wide_chunks": c["settings"].get("wide_chunks", True),
+            "max_keys_seen_chunked": c.get("max_keys_seen"),
+            "max_keys_seen_exact": e.get("max_keys_seen"),
+        }
     return rows
 
 
@@ -135,23 +174,36 @@ def corpus_of(settings: dict) -> dict:
     """The corpus of a `h2o-stream ppl` result as the suites record one: name, what it is, bytes, sha256."""
     described, sha = settings.get("data", ""), settings.get("data_sha256")
     name = described.split(":")[0] if described.startswith("sample:") else described.rsplit(" (", 1)[0]
-    return {"name": name, "description": KNOWN_CORPORA.get(sha) or described, "bytes": settings.get("data_bytes"),
-            "sha256": sha}
+    return {
+        "name": name,
+        "description": KNOWN_CORPORA.get(sha) or described,
+        "bytes": settings.get("data_bytes"),
+        "sha256": sha,
+    }
 
 
 def plot_gap(report: dict, path: Path) -> None:
     rows = report["gap"]
     names = list(rows)
     fig, ax = new_figure(size=(max(4.0, 0.7 * len(names) + 2), 3.6))
-    ax.bar(names, [100 * rows[n]["relative_gap"] for n in names], color="#4c72b0", capsize=3,
-           yerr=[100 * (rows[n]["gap_standard_error"] or 0) for n in names])
+    ax.bar(
+        names,
+        [100 * rows[n]["relative_gap"] for n in names],
+        color="#4c72b0",
+        capsize=3,
+        yerr=[100 * (rows[n]["gap_standard_error"] or 0) for n in names],
+    )
     for sign in (1, -1):
         ax.axhline(sign * 100 * report["targets"]["abs_relative_gap"], color="red", linestyle="--")
     ax.set_xticks(range(len(names)), [f"{n}\nC={rows[n]['chunk_size']}" for n in names], fontsize=8)
     ax.set_ylabel("chunked PPL / exact PPL - 1 (%)")
     tokens = sorted({row["tokens"] for row in rows.values()})
-    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, {', '.join(f'{t:,}' for t in tokens)} "
-                           "tokens: fair chunks vs exact mode, ± standard error")
+    save_figure(
+        fig,
+        path,
+        f"{report['model']}, cache {report['cache_size']}, {', '.join(f'{t:,}' for t in tokens)} "
+        "tokens: fair chunks vs exact mode, ± standard error",
+    )
 
 
 @quality.command()
@@ -161,9 +213,26 @@ def plot_gap(report: dict, path: Path) -> None:
 def runs(data, only, dry_run):
     """The `h2o-stream ppl` runs the gaps read, one after another (hours: exact mode is slow)."""
     chosen = None if only is None else set(only.split(","))
-    commands = [["h2o-stream", "ppl", "--data", data, "--policy", policies, *options, "--cache-size", "256",
-                 "--threads", "1", "--resume", "--out", str(RUNS / folder)]
-                for folder, policies, options in PPL_RUNS if chosen is None or folder in chosen]
+    commands = [
+        [
+            "h2o-stream",
+            "ppl",
+            "--data",
+            data,
+            "--policy",
+            policies,
+            *options,
+            "--cache-size",
+            "256",
+            "--threads",
+            "1",
+            "--resume",
+            "--out",
+            str(RUNS / folder),
+        ]
+        for folder, policies, options in PPL_RUNS
+        if chosen is None or folder in chosen
+    ]
     run_commands(commands, dry_run)
 
 
@@ -177,8 +246,12 @@ EQUIVALENCE_TARGET = 1e-4  # mean NLL (full cache) and per-token NLL (sinks), in
 @click.option("--chunk", default=256, show_default=True, help="Tokens per forward of the streamed runs.")
 @click.option("--cache-size", default=256, show_default=True, help="The sink cache's budget.")
 @click.option("--threads", default=2, show_default=True)
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              default=RESULTS / "models" / "gemma3_equivalence.json", show_default=True)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=RESULTS / "models" / "gemma3_equivalence.json",
+    show_default=True,
+)
 def equivalence(model_spec, data, tokens, chunk, cache_size, threads, out):
     """Full cache in chunks = the model's forward; chunked sink = exact sink (models/gemma3_equivalence.json)."""
     from eval.common import corpus_record, corpus_tokens, environment, load_model, setup
@@ -188,12 +261,19 @@ def equivalence(model_spec, data, tokens, chunk, cache_size, threads, out):
     ids = corpus_tokens(loaded.tokenizer, tokens, data).unsqueeze(0)
     measured = equivalence_measures(loaded.model, ids, chunk, cache_size)
     config = loaded.model.config.get_text_config(decoder=True)
-    report = {"benchmark": "a full cache streamed in chunks against the model's own forward; chunked sink against "
-                           "exact sink", "model": loaded.name, "data": corpus_record(data), "tokens": tokens,
-              "chunk": chunk, "cache_size": cache_size,
-              "layer_types": sorted(set(getattr(config, "layer_types", None) or ["full_attention"])),
-              "sliding_window": getattr(config, "sliding_window", None),
-              "targets": {"nll": EQUIVALENCE_TARGET}, **measured, "versions": environment()}
+    report = {
+        "benchmark": "a full cache streamed in chunks against the model's own forward; chunked sink against exact sink",
+        "model": loaded.name,
+        "data": corpus_record(data),
+        "tokens": tokens,
+        "chunk": chunk,
+        "cache_size": cache_size,
+        "layer_types": sorted(set(getattr(config, "layer_types", None) or ["full_attention"])),
+        "sliding_window": getattr(config, "sliding_window", None),
+        "targets": {"nll": EQUIVALENCE_TARGET},
+        **measured,
+        "versions": environment(),
+    }
     write_result(out, report, plot_equivalence)
 
 
@@ -212,49 +292,67 @@ def equivalence_measures(model, ids, chunk: int, cache_size: int) -> dict:
 
     def streamed(cache, width):
         with torch.no_grad():
-            return torch.cat([model(ids[:, s:s + width], cache=cache).logits for s in range(0, ids.shape[1], width)],
-                             dim=1)
+            return torch.cat(
+                [model(ids[:, s : s + width], cache=cache).logits for s in range(0, ids.shape[1], width)], dim=1
+            )
 
     runs, seconds = {}, {}
-    for name, run in (("forward", lambda: model(ids).logits),
-                      ("full_chunked", lambda: streamed(StreamingCache(model, make_policy("full")), chunk)),
-                      ("sink_exact", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)), 1)),
-                      ("sink_chunked", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)),
-                                                        chunk))):
+    for name, run in (
+        ("forward", lambda: model(ids).logits),
+        ("full_chunked", lambda: streamed(StreamingCache(model, make_policy("full")), chunk)),
+        ("sink_exact", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)), 1)),
+        ("sink_chunked", lambda: streamed(StreamingCache(model, make_policy("sink", cache_size)), chunk)),
+    ):
         start = time.perf_counter()
         with torch.no_grad():
             runs[name] = nll(run())
         seconds[name] = time.perf_counter() - start
-    return {"mean_nll": {name: values.mean().item() for name, values in runs.items()},
-            "full_vs_forward": {"mean_nll_difference": (runs["full_chunked"].mean() - runs["forward"].mean()).item(),
-                                "max_token_difference": (runs["full_chunked"] - runs["forward"]).abs().max().item()},
-            "sink_chunked_vs_exact": {"max_token_difference":
-                                      (runs["sink_chunked"] - runs["sink_exact"]).abs().max().item(),
-                                      "mean_nll_difference":
-                                      (runs["sink_chunked"].mean() - runs["sink_exact"].mean()).item()},
-            "seconds": seconds}
+    return {
+        "mean_nll": {name: values.mean().item() for name, values in runs.items()},
+        "full_vs_forward": {
+            "mean_nll_difference": (runs["full_chunked"].mean() - runs["forward"].mean()).item(),
+            "max_token_difference": (runs["full_chunked"] - runs["forward"]).abs().max().item(),
+        },
+        "sink_chunked_vs_exact": {
+            "max_token_difference": (runs["sink_chunked"] - runs["sink_exact"]).abs().max().item(),
+            "mean_nll_difference": (runs["sink_chunked"].mean() - runs["sink_exact"].mean()).item(),
+        },
+        "seconds": seconds,
+    }
 
 
 def plot_equivalence(report: dict, path: Path) -> None:
-    pairs = {"full cache in chunks\n− own forward (mean)": abs(report["full_vs_forward"]["mean_nll_difference"]),
-             "full cache in chunks\n− own forward (max token)": report["full_vs_forward"]["max_token_difference"],
-             "chunked sink\n− exact sink (max token)": report["sink_chunked_vs_exact"]["max_token_difference"]}
+    pairs = {
+        "full cache in chunks\n− own forward (mean)": abs(report["full_vs_forward"]["mean_nll_difference"]),
+        "full cache in chunks\n− own forward (max token)": report["full_vs_forward"]["max_token_difference"],
+        "chunked sink\n− exact sink (max token)": report["sink_chunked_vs_exact"]["max_token_difference"],
+    }
     fig, ax = new_figure(size=(6.4, 3.6))
     ax.bar(list(pairs), [max(v, 1e-12) for v in pairs.values()], color="#4c72b0")
     ax.axhline(report["targets"]["nll"], color="red", linestyle="--")
     ax.set_yscale("log")
     ax.set_ylabel("|NLL difference| (nats)")
     ax.tick_params(axis="x", labelsize=8)
-    save_figure(fig, path, f"{report['model']}, {report['tokens']:,} tokens, chunks of {report['chunk']}, "
-                           f"sink cache {report['cache_size']}")
+    save_figure(
+        fig,
+        path,
+        f"{report['model']}, {report['tokens']:,} tokens, chunks of {report['chunk']}, "
+        f"sink cache {report['cache_size']}",
+    )
 
 
 EARLY_RSS_AT = 50_000  # compare late RSS with the first sample at or after this many tokens
 #: the long runs as committed: folder -> (the `h2o-stream ppl` runs, each as its options, the report's window)
 LONG_RUNS = {
-    "fair": ("long_fair", [["--cache-size", "256", "--policy", "sink,sepllm,h2o", "--tokens", "1048576"],
-                           ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"],
-                           ["--cache-size", "256", "--policy", "cam", "--tokens", "1048576"]], 100_000),
+    "fair": (
+        "long_fair",
+        [
+            ["--cache-size", "256", "--policy", "sink,sepllm,h2o", "--tokens", "1048576"],
+            ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"],
+            ["--cache-size", "256", "--policy", "cam", "--tokens", "1048576"],
+        ],
+        100_000,
+    ),
     "4m": ("long_4m", [["--cache-size", "256", "--policy", "sink,h2o", "--tokens", "4000000"]], 200_000),
 }
 data_required = click.option("--data", required=True, help="The corpus (the committed runs: gutenberg_pre1919.jsonl).")
@@ -266,14 +364,34 @@ dry_run_option = click.option("--dry-run", is_flag=True, help="Print the command
 @click.option("--model", "model_spec", default=None, help="Another model: write its board to its own folder.")
 @click.option("--tokens", default=250_000, show_default=True)
 @click.option("--workers", default=2, show_default=True)
-@click.option("--out", default=str(RESULTS / "leaderboard"), show_default=True,
-              help="The board's folder (eval/results/leaderboard*/ are all rendered).")
+@click.option(
+    "--out",
+    default=str(RESULTS / "leaderboard"),
+    show_default=True,
+    help="The board's folder (eval/results/leaderboard*/ are all rendered).",
+)
 @dry_run_option
 def leaderboard(data, model_spec, tokens, workers, out, dry_run):
     """Every policy at cache 128, 256 and 512 over one stream (`h2o-stream leaderboard`; reruns continue)."""
     model = ["--model", model_spec] if model_spec else []
-    run_commands([["h2o-stream", "leaderboard", "--data", data, *model, "--tokens", str(tokens), "--workers",
-                   str(workers), "--out", out]], dry_run)
+    run_commands(
+        [
+            [
+                "h2o-stream",
+                "leaderboard",
+                "--data",
+                data,
+                *model,
+                "--tokens",
+                str(tokens),
+                "--workers",
+                str(workers),
+                "--out",
+                out,
+            ]
+        ],
+        dry_run,
+    )
 
 
 @click.group()
@@ -289,8 +407,26 @@ def _runs_part(name: str):
     @dry_run_option
     def part(data, workers, dry_run):
         out = RESULTS / folder
-        run_commands([["h2o-stream", "ppl", "--data", data, *options, "--threads", "1", "--workers", str(workers),
-                       "--resume", "--out", str(out)] for options in runs], dry_run)
+        run_commands(
+            [
+                [
+                    "h2o-stream",
+                    "ppl",
+                    "--data",
+                    data,
+                    *options,
+                    "--threads",
+                    "1",
+                    "--workers",
+                    str(workers),
+                    "--resume",
+                    "--out",
+                    str(out),
+                ]
+                for options in runs
+            ],
+            dry_run,
+        )
         if not dry_run:
             write_report(out, window)
 
@@ -318,11 +454,17 @@ def write_report(run_dir: Path, window: int) -> dict:
         raise BadInput(f"no run results (<policy>-<size>.json) in {run_dir}")
     report = {"window": window, "runs": {}, "vs_sink": {}, "command": command_line()}
     for name, r in named.items():
-        report["runs"][name] = {"tokens": r["tokens_fed"], "ppl": r["ppl"], "tokens_per_second": r["tokens_per_second"],
-                                "windows": windows(r["curve"], window), "rss": rss_growth(r),
-                                "command": scrub_command(r["command"]) if r.get("command") else None,
-                                "versions": r.get("versions"), "model": r["settings"].get("model"),
-                                "data": corpus_of(r["settings"])}
+        report["runs"][name] = {
+            "tokens": r["tokens_fed"],
+            "ppl": r["ppl"],
+            "tokens_per_second": r["tokens_per_second"],
+            "windows": windows(r["curve"], window),
+            "rss": rss_growth(r),
+            "command": scrub_command(r["command"]) if r.get("command") else None,
+            "versions": r.get("versions"),
+            "model": r["settings"].get("model"),
+            "data": corpus_of(r["settings"]),
+        }
     curves = {name: dict(r["curve"]) for name, r in named.items()}
     for name in report["runs"]:
         policy, size = name.rsplit("-", 1)
@@ -330,20 +472,31 @@ def write_report(run_dir: Path, window: int) -> dict:
         if policy != "sink" and sink in curves:
             common = max(set(curves[name]) & set(curves[sink]), default=None)  # runs may have stopped apart
             if common:
-                own_windows, sink_windows = (windows([c for c in named[n]["curve"] if c[0] <= common], window)
-                                             for n in (name, sink))
+                own_windows, sink_windows = (
+                    windows([c for c in named[n]["curve"] if c[0] <= common], window) for n in (name, sink)
+                )
                 report["vs_sink"][name] = {
-                    "predicted_tokens": common, "ppl": curves[name][common], "sink_ppl": curves[sink][common],
+                    "predicted_tokens": common,
+                    "ppl": curves[name][common],
+                    "sink_ppl": curves[sink][common],
                     "ppl_ratio": curves[name][common] / curves[sink][common],
                     "windows_lower_than_sink": sum(  # strict=False: the two runs' curves may end apart
-                        h < k for (_, h), (_, k) in zip(own_windows, sink_windows, strict=False)),
-                    "windows_compared": len(own_windows)}
+                        h < k for (_, h), (_, k) in zip(own_windows, sink_windows, strict=False)
+                    ),
+                    "windows_compared": len(own_windows),
+                }
     for name, cmp in report["vs_sink"].items():
-        print(f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "
-              f"{cmp['sink_ppl']:.3f} (ratio {cmp['ppl_ratio']:.4f}); lower than sink in "
-              f"{cmp['windows_lower_than_sink']} of {cmp['windows_compared']} windows")
-    write_result(Path(run_dir) / "report.json", report, lambda rep, path: plot(rep, list(named.values()), path),
-                 figure=Path(run_dir) / "figure5.png")
+        print(
+            f"{name}: over the first {cmp['predicted_tokens']:,} predictions PPL {cmp['ppl']:.3f}, sink "
+            f"{cmp['sink_ppl']:.3f} (ratio {cmp['ppl_ratio']:.4f}); lower than sink in "
+            f"{cmp['windows_lower_than_sink']} of {cmp['windows_compared']} windows"
+        )
+    write_result(
+        Path(run_dir) / "report.json",
+        report,
+        lambda rep, path: plot(rep, list(named.values()), path),
+        figure=Path(run_dir) / "figure5.png",
+    )
     return report
 
 
@@ -372,9 +525,15 @@ def rss_growth(result: dict) -> dict | None:
     if early is None or own[-1][0] <= early[0]:
         return None
     late = own[-1]
-    return {"early_tokens": early[0], "early_rss_bytes": early[1], "late_tokens": late[0], "late_rss_bytes": late[1],
-            "ratio": late[1] / early[1], "process_start": start if starts else None,
-            "within_one_process": bool(starts)}
+    return {
+        "early_tokens": early[0],
+        "early_rss_bytes": early[1],
+        "late_tokens": late[0],
+        "late_rss_bytes": late[1],
+        "ratio": late[1] / early[1],
+        "process_start": start if starts else None,
+        "within_one_process": bool(starts),
+    }
 
 
 def plot(report: dict, results: list[dict], path: Path) -> None:
@@ -394,5 +553,9 @@ def plot(report: dict, results: list[dict], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     first = next(iter(report["runs"].values()))
-    save_figure(fig, path, f"running and windowed perplexity per run (colour: policy, line: cache size), "
-                           f"{first['model']}, {first['data']['name']}")
+    save_figure(
+        fig,
+        path,
+        f"running and windowed perplexity per run (colour: policy, line: cache size), "
+        f"{first['model']}, {first['data']['name']}",
+    )

@@ -52,10 +52,12 @@ def headline(res: Results) -> list[str]:
     worse, model = cmp["windows_compared"] - cmp["windows_lower_than_sink"], (run.get("model") or "").split(" (")[0]
     corpus = run.get("data") or {}
     label = NAMES.get(policy, policy)
-    return [f"Over {cmp['predicted_tokens'] + 1:,} tokens at cache {size} ({model} on {corpus.get('name')}: "
-            f"{corpus.get('description')}), StreamingLLM's attention sinks reach PPL **{num(cmp['sink_ppl'])}** and "
-            f"{label} **{num(cmp['ppl'])}**: {label} is {pct(cmp['ppl_ratio'] - 1).lstrip('+')} worse, and worse in "
-            f"{worse} of {cmp['windows_compared']} windows of {report['window']:,} tokens."]
+    return [
+        f"Over {cmp['predicted_tokens'] + 1:,} tokens at cache {size} ({model} on {corpus.get('name')}: "
+        f"{corpus.get('description')}), StreamingLLM's attention sinks reach PPL **{num(cmp['sink_ppl'])}** and "
+        f"{label} **{num(cmp['ppl'])}**: {label} is {pct(cmp['ppl_ratio'] - 1).lstrip('+')} worse, and worse in "
+        f"{worse} of {cmp['windows_compared']} windows of {report['window']:,} tokens."
+    ]
 
 
 def leaderboard(res: Results) -> list[str]:
@@ -64,9 +66,15 @@ def leaderboard(res: Results) -> list[str]:
     if not found:
         return missing("leaderboard/leaderboard.json", "python -m eval leaderboard --data CORPUS")
     folder, board = found[0]
-    return [f"Perplexity of every policy at cache 128, 256 and 512 ({board.get('title')}; the difference to sinks in "
-            "brackets, the best at each size in bold):", "", *board_table(board), f"**Verdict:** {verdict(board)}", "",
-            source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard")]
+    return [
+        f"Perplexity of every policy at cache 128, 256 and 512 ({board.get('title')}; the difference to sinks in "
+        "brackets, the best at each size in bold):",
+        "",
+        *board_table(board),
+        f"**Verdict:** {verdict(board)}",
+        "",
+        source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard"),
+    ]
 
 
 def models(res: Results) -> list[str]:
@@ -78,9 +86,15 @@ def models(res: Results) -> list[str]:
     lines = []
     for folder, board in found[1:]:
         tokens = sorted({r["tokens"] for s in board["sizes"].values() for r in s["rows"]})
-        lines += [f"On {model_of(board)}, {', '.join(f'{t:,}' for t in tokens)} predicted tokens per run:", "",
-                  *board_table(board), f"**Does the ranking hold?** {ranking_holds(found[0][1], board)}", "",
-                  source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard"), ""]
+        lines += [
+            f"On {model_of(board)}, {', '.join(f'{t:,}' for t in tokens)} predicted tokens per run:",
+            "",
+            *board_table(board),
+            f"**Does the ranking hold?** {ranking_holds(found[0][1], board)}",
+            "",
+            source(res, f"{folder}/leaderboard.json", command="h2o-stream leaderboard"),
+            "",
+        ]
     return lines[:-1]
 
 
@@ -96,39 +110,64 @@ def speed(res: Results) -> list[str]:
     """Per policy: exact-mode decode vs the raw decode step, fair chunks vs their raw twin, exact mode scanned vs the
     raw forward, at the thread counts measured."""
     decode = [res.get(n) for n in decode_files(res)]
-    fair = {p: (t, r) for n in res.names("speed/fair_chunks_*.json") for r in [res.get(n)]
-            for p, t in r["throughput"].items()}
+    fair = {
+        p: (t, r)
+        for n in res.names("speed/fair_chunks_*.json")
+        for r in [res.get(n)]
+        for p, t in r["throughput"].items()
+    }
     scan = res.get("speed/exact_scan.json")
     scan_counts = list(scan["threads"]) if scan else []
     policies = [p for r in decode for p in r["ratio_vs_dynamic_inference"]] + list(fair)
-    policies += [n.split(" ")[0] for c in scan_counts for n in scan["threads"][c]["vs_raw_forward"]
-                 if not n.startswith("raw")]
+    policies += [
+        n.split(" ")[0] for c in scan_counts for n in scan["threads"][c]["vs_raw_forward"] if not n.startswith("raw")
+    ]
     if not policies:
         return missing("speed/", "python -m eval speed decode")
 
     def scanned(policy, count):
         ratios = scan["threads"][count]["vs_raw_forward"]
-        key = next((n for n in ratios if n.startswith(f"{policy} exact, scanned in ") and "tensor" not in n),
-                   next((n for n in ratios if n.startswith(f"{policy} chunk ")), None))
+        key = next(
+            (n for n in ratios if n.startswith(f"{policy} exact, scanned in ") and "tensor" not in n),
+            next((n for n in ratios if n.startswith(f"{policy} chunk ")), None),
+        )
         return num(ratios[key], 2) if key else "–"
+
     fair_threads = sorted({r["environment"]["threads"] for _, r in fair.values()})
-    header = ["policy", *(f"decode, {r['environment']['threads']} thread(s)" for r in decode),
-              f"fair chunk, {'/'.join(map(str, fair_threads))} thread(s)",
-              *(f"scanned forward, {c} thread(s)" for c in scan_counts)]
-    rows = [[p if p != "chat" else "chat (h2o)",
-             *(num(1 / r["ratio_vs_dynamic_inference"][p], 2) if p in r["ratio_vs_dynamic_inference"] else "–"
-               for r in decode),
-             f"{num(fair[p][0]['ratio_vs_raw_forward_in_inference_mode'], 2)} (C={fair[p][0]['chunk_size']})"
-             if p in fair else "–", *(scanned(p, c) for c in scan_counts)] for p in dict.fromkeys(policies)]
-    sources = [res.shown(n) for n in (*decode_files(res), *res.names("speed/fair_chunks_*.json"),
-                                      *res.names("speed/exact_scan.json"))]
-    return ["Speed as a fraction of the raw twin's doing the same work (ours tok/s ÷ raw tok/s, 1.00 = as fast), "
-            "measured side by side in one process: decode against the raw decode step (under inference mode, like "
-            "h2o-stream's forwards), each policy's fair chunk C against the raw chunked forward (also under inference "
-            "mode), exact mode scanned in forwards of 256 against the raw forward of 256 tokens.", "",
-            *table(header, rows, set(range(1, len(header)))),
-            f"Sources: {', '.join(f'`{s}`' for s in sources)} (commands and versions in "
-            "[docs/results.md](docs/results.md#speed))."]
+    header = [
+        "policy",
+        *(f"decode, {r['environment']['threads']} thread(s)" for r in decode),
+        f"fair chunk, {'/'.join(map(str, fair_threads))} thread(s)",
+        *(f"scanned forward, {c} thread(s)" for c in scan_counts),
+    ]
+    rows = [
+        [
+            p if p != "chat" else "chat (h2o)",
+            *(
+                num(1 / r["ratio_vs_dynamic_inference"][p], 2) if p in r["ratio_vs_dynamic_inference"] else "–"
+                for r in decode
+            ),
+            f"{num(fair[p][0]['ratio_vs_raw_forward_in_inference_mode'], 2)} (C={fair[p][0]['chunk_size']})"
+            if p in fair
+            else "–",
+            *(scanned(p, c) for c in scan_counts),
+        ]
+        for p in dict.fromkeys(policies)
+    ]
+    sources = [
+        res.shown(n)
+        for n in (*decode_files(res), *res.names("speed/fair_chunks_*.json"), *res.names("speed/exact_scan.json"))
+    ]
+    return [
+        "Speed as a fraction of the raw twin's doing the same work (ours tok/s ÷ raw tok/s, 1.00 = as fast), "
+        "measured side by side in one process: decode against the raw decode step (under inference mode, like "
+        "h2o-stream's forwards), each policy's fair chunk C against the raw chunked forward (also under inference "
+        "mode), exact mode scanned in forwards of 256 against the raw forward of 256 tokens.",
+        "",
+        *table(header, rows, set(range(1, len(header)))),
+        f"Sources: {', '.join(f'`{s}`' for s in sources)} (commands and versions in "
+        "[docs/results.md](docs/results.md#speed)).",
+    ]
 
 
 def first_run(res: Results) -> list[str]:
@@ -136,11 +175,21 @@ def first_run(res: Results) -> list[str]:
     runs = [r for r in (res.get(n) for n in res.names("first_run/*.json")) if r and "curve" in r]
     if not runs:
         return missing("first_run/", "h2o-stream ppl --data sample --tokens 20000 --out eval/results/first_run")
-    rows = [[r["settings"]["policy"], f"{r['predicted_tokens']:,}", num(r["ppl"], 3), num(r["tokens_per_second"], 0),
-             num(r["peak_rss_bytes"] / 2**20, 0) if r.get("peak_rss_bytes") else "–"] for r in runs]
+    rows = [
+        [
+            r["settings"]["policy"],
+            f"{r['predicted_tokens']:,}",
+            num(r["ppl"], 3),
+            num(r["tokens_per_second"], 0),
+            num(r["peak_rss_bytes"] / 2**20, 0) if r.get("peak_rss_bytes") else "–",
+        ]
+        for r in runs
+    ]
     name = res.names("first_run/*.json")[0]
-    return [*table(["policy", "predicted tokens", "PPL", "tok/s", "peak RSS (MiB)"], rows, {1, 2, 3, 4}),
-            source(res, name, extra=f"; {model_of({'title': runs[0]['settings'].get('model', '')})}")]
+    return [
+        *table(["policy", "predicted tokens", "PPL", "tok/s", "peak RSS (MiB)"], rows, {1, 2, 3, 4}),
+        source(res, name, extra=f"; {model_of({'title': runs[0]['settings'].get('model', '')})}"),
+    ]
 
 
 def coverage(res: Results) -> list[str]:
@@ -148,15 +197,32 @@ def coverage(res: Results) -> list[str]:
     report = res.get("coverage/coverage.json")
     if not report:
         return missing("coverage/coverage.json", "python -m eval coverage --out eval/results/coverage/coverage.json")
-    rows = [[f"`{name}`" if name != "total" else "**total**", f"{p['covered_lines']:,} / {p['statements']:,}",
-             f"{p['covered_branches']:,} / {p['branches']:,}", f"{coverage_percent(p):.1f}%"]
-            for name, p in [*report["packages"].items(), ("total", report["total"])]]
-    return ["Coverage of `h2o_stream` by the tests (lines and branches, the CLI's subprocesses included), per package:",
-            "", *table(["package", "lines", "branches", "covered"], rows, {1, 2, 3}), source(res, "coverage/coverage.json")]
+    rows = [
+        [
+            f"`{name}`" if name != "total" else "**total**",
+            f"{p['covered_lines']:,} / {p['statements']:,}",
+            f"{p['covered_branches']:,} / {p['branches']:,}",
+            f"{coverage_percent(p):.1f}%",
+        ]
+        for name, p in [*report["packages"].items(), ("total", report["total"])]
+    ]
+    return [
+        "Coverage of `h2o_stream` by the tests (lines and branches, the CLI's subprocesses included), per package:",
+        "",
+        *table(["package", "lines", "branches", "covered"], rows, {1, 2, 3}),
+        source(res, "coverage/coverage.json"),
+    ]
 
 
-BLOCKS = {"headline": headline, "leaderboard": leaderboard, "models": models, "long": long, "speed": speed,
-          "first_run": first_run, "coverage": coverage}
+BLOCKS = {
+    "headline": headline,
+    "leaderboard": leaderboard,
+    "models": models,
+    "long": long,
+    "speed": speed,
+    "first_run": first_run,
+    "coverage": coverage,
+}
 
 
 def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
@@ -170,8 +236,9 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
             if opened:
                 raise RenderError(f"{where} line {line}: block {name!r} opens inside block {opened[0]!r}")
             if name not in BLOCKS:
-                raise RenderError(f"{where} line {line}: unknown block <!-- render:{name} --> (the blocks are: "
-                                  f"{', '.join(BLOCKS)})")
+                raise RenderError(
+                    f"{where} line {line}: unknown block <!-- render:{name} --> (the blocks are: {', '.join(BLOCKS)})"
+                )
             body_start = text.find("\n", match.end()) + 1 or len(text)
             opened = (name, body_start)
         else:
@@ -179,7 +246,7 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
                 raise RenderError(f"{where} line {line}: <!-- /render:{name} --> closes no open block {name!r}")
             with unexpected(f"{where} block {name!r}"):
                 body = newline.join(BLOCKS[name](res))
-            out += [text[position:opened[1]], body + newline if body else ""]
+            out += [text[position : opened[1]], body + newline if body else ""]
             position, opened = match.start(), None
     if opened:
         raise RenderError(f"{where}: block {opened[0]!r} is never closed (<!-- /render:{opened[0]} -->)")
@@ -187,10 +254,20 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
 
 
 @click.command()
-@click.option("--results", type=click.Path(exists=True, file_okay=False, path_type=Path),
-              default=Path("eval/results"), show_default=True, help="The result files to read.")
-@click.option("--root", type=click.Path(exists=True, file_okay=False, path_type=Path), default=Path("."),
-              show_default=True, help="Where README.md and docs/ are.")
+@click.option(
+    "--results",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=Path("eval/results"),
+    show_default=True,
+    help="The result files to read.",
+)
+@click.option(
+    "--root",
+    type=click.Path(exists=True, file_okay=False, path_type=Path),
+    default=Path("."),
+    show_default=True,
+    help="Where README.md and docs/ are.",
+)
 @click.option("--check", is_flag=True, help="Write nothing; exit 1, listing them, if any file would change.")
 def render(results, root, check):
     """docs/results.md and README.md's marked blocks from eval/results/**/*.json."""

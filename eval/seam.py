@@ -49,8 +49,7 @@ def per_token_nlls(model, tokenizer, stream, cache_size: int, tokens: int) -> di
                 run.run([(0, stream[:tokens])])
                 results[f"{name}/{path}"] = torch.cat(run.token_nll).double().numpy()
                 mean = results[f"{name}/{path}"].mean()
-                click.echo(f"{name:10s} {path:15s} chunk {run.chunk_size:3d}  mean NLL {mean:.6f}",
-                           err=True)
+                click.echo(f"{name:10s} {path:15s} chunk {run.chunk_size:3d}  mean NLL {mean:.6f}", err=True)
     finally:
         if saved is None:
             os.environ.pop("H2O_STREAM_COMPILED", None)
@@ -60,10 +59,13 @@ def per_token_nlls(model, tokenizer, stream, cache_size: int, tokens: int) -> di
 
 
 def _common(func):
-    for option in (model_option, data_option,
-                   click.option("--tokens", default=1500, show_default=True, help="Tokens of the corpus per run."),
-                   click.option("--cache-size", default=128, show_default=True),
-                   click.option("--threads", default=2, show_default=True)):
+    for option in (
+        model_option,
+        data_option,
+        click.option("--tokens", default=1500, show_default=True, help="Tokens of the corpus per run."),
+        click.option("--cache-size", default=128, show_default=True),
+        click.option("--threads", default=2, show_default=True),
+    ):
         func = option(func)
     return func
 
@@ -84,8 +86,9 @@ def seam():
 
 @seam.command()
 @_common
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=OUT / "reference.npz",
-              show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=OUT / "reference.npz", show_default=True
+)
 def record(model_spec, data, tokens, cache_size, threads, out):
     """Record the NLLs (.npz) to compare a later engine against."""
     import numpy as np
@@ -95,17 +98,24 @@ def record(model_spec, data, tokens, cache_size, threads, out):
     loaded, results = _measure(model_spec, data, tokens, cache_size, threads)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {"model": loaded.name, "tokens": tokens, "cache_size": cache_size, "data": corpus_record(data)["sha256"]}
-    np.savez_compressed(out, **{key.replace("/", "__"): value for key, value in results.items()},
-                        meta=np.array(repr(meta)))
+    np.savez_compressed(
+        out, **{key.replace("/", "__"): value for key, value in results.items()}, meta=np.array(repr(meta))
+    )
     click.echo(f"wrote {out}", err=True)
 
 
 @seam.command()
 @_common
-@click.option("--against", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=OUT / "reference.npz",
-              show_default=True, help="NLLs recorded by `seam record`.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=OUT / "equality.json",
-              show_default=True)
+@click.option(
+    "--against",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    default=OUT / "reference.npz",
+    show_default=True,
+    help="NLLs recorded by `seam record`.",
+)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=OUT / "equality.json", show_default=True
+)
 def compare(model_spec, data, tokens, cache_size, threads, against, out):
     """Run again and compare with the recorded NLLs: bit-identical or the largest difference, per policy and path."""
     import ast
@@ -115,8 +125,10 @@ def compare(model_spec, data, tokens, cache_size, threads, against, out):
     recorded = np.load(against)
     meta = ast.literal_eval(str(recorded["meta"]))
     if (meta["tokens"], meta["cache_size"], meta["data"]) != (tokens, cache_size, corpus_record(data)["sha256"]):
-        raise BadInput(f"{against} was recorded with {meta['tokens']} tokens at cache {meta['cache_size']} on "
-                       f"corpus {meta['data'][:12]}; run with the same --tokens, --cache-size and --data")
+        raise BadInput(
+            f"{against} was recorded with {meta['tokens']} tokens at cache {meta['cache_size']} on "
+            f"corpus {meta['data'][:12]}; run with the same --tokens, --cache-size and --data"
+        )
     loaded, results = _measure(model_spec, data, tokens, cache_size, threads)
     rows = {}
     for key, now in results.items():
@@ -125,12 +137,24 @@ def compare(model_spec, data, tokens, cache_size, threads, against, out):
             rows[key] = {"recorded": False, "mean_nll": float(now.mean())}
             continue
         before = recorded[stored]
-        rows[key] = {"recorded": True, "bit_identical": bool(np.array_equal(before, now)),
-                     "max_abs_diff": float(np.abs(before - now).max()), "mean_nll_before": float(before.mean()),
-                     "mean_nll_after": float(now.mean())}
-    report = {"benchmark": "per-token NLL of every policy and path against a recorded reference",
-              "model": loaded.name, "data": corpus_record(data), "tokens": tokens, "cache_size": cache_size,
-              "reference": str(against), "environment": environment(), "command": command_line(), "runs": rows}
+        rows[key] = {
+            "recorded": True,
+            "bit_identical": bool(np.array_equal(before, now)),
+            "max_abs_diff": float(np.abs(before - now).max()),
+            "mean_nll_before": float(before.mean()),
+            "mean_nll_after": float(now.mean()),
+        }
+    report = {
+        "benchmark": "per-token NLL of every policy and path against a recorded reference",
+        "model": loaded.name,
+        "data": corpus_record(data),
+        "tokens": tokens,
+        "cache_size": cache_size,
+        "reference": str(against),
+        "environment": environment(),
+        "command": command_line(),
+        "runs": rows,
+    }
     write_result(out, report, _plot)
 
 
@@ -143,5 +167,9 @@ def _plot(report: dict, figure: Path) -> None:
     ax.set_yticks(range(len(keys)), keys, fontsize=7)
     ax.set_xscale("log")
     ax.set_xlabel("largest per-token NLL difference (green: bit-identical, drawn at 1e-17)")
-    save_figure(fig, figure, f"{report['model']}: every policy and path against the recorded reference "
-                             f"({report['tokens']} tokens, cache {report['cache_size']})")
+    save_figure(
+        fig,
+        figure,
+        f"{report['model']}: every policy and path against the recorded reference "
+        f"({report['tokens']} tokens, cache {report['cache_size']})",
+    )

@@ -28,31 +28,50 @@ import click
 
 from eval.common import RESULTS, BadInput, environment, model_option, new_figure, relative, save_figure, write_result
 
-QUESTIONS = ["What is a good name for a cat?", "Tell me a fact about the sea.", "Why is the sky blue?",
-             "Give me one tip for sleeping well.", "What is two plus two?", "Name a fruit that is red.",
-             "What do bees make?", "How many days are in a week?", "Suggest a short poem title.",
-             "What is the capital of France?", "Say hello in Spanish.", "What is rain made of?",
-             "Name an animal that can fly.", "What colour are leaves in summer?", "Why do we need water?",
-             "What is a comet?", "Recommend a board game.", "What is the opposite of cold?",
-             "Describe the moon in five words.", "What does a baker do?"]
+QUESTIONS = [
+    "What is a good name for a cat?",
+    "Tell me a fact about the sea.",
+    "Why is the sky blue?",
+    "Give me one tip for sleeping well.",
+    "What is two plus two?",
+    "Name a fruit that is red.",
+    "What do bees make?",
+    "How many days are in a week?",
+    "Suggest a short poem title.",
+    "What is the capital of France?",
+    "Say hello in Spanish.",
+    "What is rain made of?",
+    "Name an animal that can fly.",
+    "What colour are leaves in summer?",
+    "Why do we need water?",
+    "What is a comet?",
+    "Recommend a board game.",
+    "What is the opposite of cold?",
+    "Describe the moon in five words.",
+    "What does a baker do?",
+]
 
 
 @click.command()
 @model_option
 @click.option("--conversations", default=16, show_default=True)
 @click.option("--turns", default=20, show_default=True)
-@click.option("--in-memory", default=8, show_default=True,
-              help="The server's --in-memory (fewer than --conversations).")
+@click.option(
+    "--in-memory", default=8, show_default=True, help="The server's --in-memory (fewer than --conversations)."
+)
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--max-tokens", default=16, show_default=True, help="Reply length limit per turn.")
 @click.option("--threads", default=2, show_default=True, help="The server's torch threads.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "serve" / "load.json",
-              show_default=True)
+@click.option(
+    "--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "serve" / "load.json", show_default=True
+)
 def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, threads, out):
     """16 conversations x 20 turns against one `h2o-stream serve`: failures, time to first token, tokens/s, RSS."""
     if in_memory >= conversations:
-        raise BadInput(f"--in-memory ({in_memory}) must be smaller than --conversations ({conversations}): the run "
-                       "measures conversations going to disk and back")
+        raise BadInput(
+            f"--in-memory ({in_memory}) must be smaller than --conversations ({conversations}): the run "
+            "measures conversations going to disk and back"
+        )
     if min(conversations, turns, in_memory, max_tokens, threads) < 1:
         raise BadInput("--conversations, --turns, --in-memory, --max-tokens and --threads must be >= 1")
     with tempfile.TemporaryDirectory(prefix="h2o-stream-serve-load-") as state:
@@ -62,18 +81,41 @@ def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, t
         finally:
             process.terminate()
             process.wait(timeout=60)
-    result["settings"] = {"model": relative(model_spec) if model_spec else "SmolLM2-135M-Instruct (default)",
-                          "conversations": conversations, "turns": turns, "in_memory": in_memory,
-                          "cache_size": cache_size, "policy": "h2o", "max_tokens": max_tokens,
-                          "server_threads": threads}
+    result["settings"] = {
+        "model": relative(model_spec) if model_spec else "SmolLM2-135M-Instruct (default)",
+        "conversations": conversations,
+        "turns": turns,
+        "in_memory": in_memory,
+        "cache_size": cache_size,
+        "policy": "h2o",
+        "max_tokens": max_tokens,
+        "server_threads": threads,
+    }
     result["environment"] = environment()
     write_result(out, result, plot)
 
 
 def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int):
-    command = [sys.executable, "-m", "h2o_stream", "serve", "--port", "0", "--state-dir", state, "--in-memory",
-               str(in_memory), "--cache-size", str(cache_size), "--threads", str(threads), "--log-level", "warning",
-               "--model-name", "model"]
+    command = [
+        sys.executable,
+        "-m",
+        "h2o_stream",
+        "serve",
+        "--port",
+        "0",
+        "--state-dir",
+        state,
+        "--in-memory",
+        str(in_memory),
+        "--cache-size",
+        str(cache_size),
+        "--threads",
+        str(threads),
+        "--log-level",
+        "warning",
+        "--model-name",
+        "model",
+    ]
     return start_server(command + (["--model", model_spec] if model_spec else []))
 
 
@@ -115,9 +157,14 @@ def _load(process, url: str, conversations: int, turns: int, max_tokens: int, bu
             sent = time.perf_counter()
             first, text, info, usage = None, "", None, None
             try:
-                stream = client.chat.completions.create(model="model", messages=messages, stream=True,
-                                                        max_tokens=max_tokens, seed=k,
-                                                        stream_options={"include_usage": True})
+                stream = client.chat.completions.create(
+                    model="model",
+                    messages=messages,
+                    stream=True,
+                    max_tokens=max_tokens,
+                    seed=k,
+                    stream_options={"include_usage": True},
+                )
                 for chunk in stream:
                     if chunk.choices and chunk.choices[0].delta.content:
                         first = first or time.perf_counter()
@@ -131,12 +178,21 @@ def _load(process, url: str, conversations: int, turns: int, max_tokens: int, bu
             done = time.perf_counter()
             messages.append({"role": "assistant", "content": text})
             with lock:
-                requests.append({"conversation": k, "turn": turn, "sent": sent - started,
-                                 "ttft": (first or done) - sent, "seconds": done - sent,
-                                 "completion_tokens": usage.completion_tokens,
-                                 "cached_tokens": usage.prompt_tokens_details.cached_tokens,
-                                 "fed_tokens": info["fed_tokens"], "how": info["how"],
-                                 "replayed_turns": info["replayed_turns"], "cache_slots": info["cache_slots"]})
+                requests.append(
+                    {
+                        "conversation": k,
+                        "turn": turn,
+                        "sent": sent - started,
+                        "ttft": (first or done) - sent,
+                        "seconds": done - sent,
+                        "completion_tokens": usage.completion_tokens,
+                        "cached_tokens": usage.prompt_tokens_details.cached_tokens,
+                        "fed_tokens": info["fed_tokens"],
+                        "how": info["how"],
+                        "replayed_turns": info["replayed_turns"],
+                        "cache_slots": info["cache_slots"],
+                    }
+                )
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -151,8 +207,9 @@ def _load(process, url: str, conversations: int, turns: int, max_tokens: int, bu
     return summarize(requests, failures, rss, wall, conversations, turns, budget)
 
 
-def summarize(requests: list[dict], failures: list[dict], rss: list, wall: float, conversations: int,
-              turns: int, budget: int) -> dict:
+def summarize(
+    requests: list[dict], failures: list[dict], rss: list, wall: float, conversations: int, turns: int, budget: int
+) -> dict:
     """The run's figures and pass criteria from its requests and RSS samples."""
     if not requests:
         raise BadInput(f"no request succeeded: {failures[:3]}")
@@ -166,23 +223,36 @@ def summarize(requests: list[dict], failures: list[dict], rss: list, wall: float
     second = max((r["sent"] + r["seconds"] for r in requests if r["turn"] == min(1, turns - 1)), default=0.0)
     at_second = next((v for t, v in rss if t >= second), rss[-1][1])
     return {
-        "requests": len(requests), "expected_requests": conversations * turns, "failed": len(failures),
+        "requests": len(requests),
+        "expected_requests": conversations * turns,
+        "failed": len(failures),
         "failures": failures,
         "ttft_seconds": {"p50": _quantile(ttft, 0.5), "p95": _quantile(ttft, 0.95), "max": ttft[-1]},
-        "tokens_per_second": tokens / wall, "completion_tokens": tokens, "wall_seconds": wall,
+        "tokens_per_second": tokens / wall,
+        "completion_tokens": tokens,
+        "wall_seconds": wall,
         "per_request_tokens_per_second_median": statistics.median(
-            r["completion_tokens"] / r["seconds"] for r in requests if r["seconds"] > 0),
+            r["completion_tokens"] / r["seconds"] for r in requests if r["seconds"] > 0
+        ),
         "recognised": sum(r["how"] == "continued" and r["replayed_turns"] == 0 for r in later),
         "later_turns": len(later),
         "fed_tokens_later_turns_median": statistics.median(r["fed_tokens"] for r in later) if later else 0,
-        "rss": {"warm_up_seconds": warm, "warm_up_ends": rule, "at_warm_up_bytes": at_warm,
-                "max_after_warm_up_bytes": max(after), "ratio": max(after) / at_warm, "first_bytes": rss[0][1],
-                "last_bytes": rss[-1][1], "at_second_turns_bytes": at_second,
-                "ratio_after_second_turns": max([v for t, v in rss if t >= second] or [at_second]) / at_second},
-        "passed": {"no_failed_request": not failures and len(requests) == conversations * turns,
-                   "every_later_turn_recognised": all(r["how"] == "continued" and r["replayed_turns"] == 0
-                                                      for r in later),
-                   "rss_flat": max(after) <= 1.1 * at_warm},
+        "rss": {
+            "warm_up_seconds": warm,
+            "warm_up_ends": rule,
+            "at_warm_up_bytes": at_warm,
+            "max_after_warm_up_bytes": max(after),
+            "ratio": max(after) / at_warm,
+            "first_bytes": rss[0][1],
+            "last_bytes": rss[-1][1],
+            "at_second_turns_bytes": at_second,
+            "ratio_after_second_turns": max([v for t, v in rss if t >= second] or [at_second]) / at_second,
+        },
+        "passed": {
+            "no_failed_request": not failures and len(requests) == conversations * turns,
+            "every_later_turn_recognised": all(r["how"] == "continued" and r["replayed_turns"] == 0 for r in later),
+            "rss_flat": max(after) <= 1.1 * at_warm,
+        },
         "rss_samples": [[round(t, 2), v] for t, v in rss],
         "per_request": sorted(requests, key=lambda r: r["sent"]),
     }
@@ -201,8 +271,7 @@ def _warm_up(requests: list[dict], budget: int) -> tuple[float, str]:
 
 
 def _quantile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 \
-        else values[0]
+    return statistics.quantiles(values, n=100, method="inclusive")[round(q * 100) - 1] if len(values) > 1 else values[0]
 
 
 def plot(result: dict, path) -> None:
@@ -210,8 +279,9 @@ def plot(result: dict, path) -> None:
     samples = result["rss_samples"]
     ax_rss.plot([t for t, _ in samples], [v / 2**20 for _, v in samples], lw=1.2, label="server RSS")
     ax_rss.axvline(result["rss"]["warm_up_seconds"], color="grey", ls=":", label="warm-up ends")
-    ax_rss.axhline(1.1 * result["rss"]["at_warm_up_bytes"] / 2**20, color="#c44e52", ls="--", lw=0.8,
-                   label="1.1 x RSS at warm-up")
+    ax_rss.axhline(
+        1.1 * result["rss"]["at_warm_up_bytes"] / 2**20, color="#c44e52", ls="--", lw=0.8, label="1.1 x RSS at warm-up"
+    )
     ax_rss.set_xlabel("seconds")
     ax_rss.set_ylabel("MiB")
     ax_rss.legend(fontsize=7)
@@ -223,9 +293,13 @@ def plot(result: dict, path) -> None:
     ax_ttft.set_ylabel("time to first token (s)")
     ax_ttft.legend(fontsize=7)
     s = result["settings"]
-    save_figure(fig, path, f"h2o-stream serve: {s['conversations']} conversations x {s['turns']} turns, "
-                           f"{s['in_memory']} in memory, cache {s['cache_size']}, {s['server_threads']} threads; "
-                           f"{result['tokens_per_second']:.1f} tok/s overall, RSS x{result['rss']['ratio']:.3f}")
+    save_figure(
+        fig,
+        path,
+        f"h2o-stream serve: {s['conversations']} conversations x {s['turns']} turns, "
+        f"{s['in_memory']} in memory, cache {s['cache_size']}, {s['server_threads']} threads; "
+        f"{result['tokens_per_second']:.1f} tok/s overall, RSS x{result['rss']['ratio']:.3f}",
+    )
 
 
 def serve_section(res, page) -> list[str]:
@@ -237,25 +311,39 @@ def serve_section(res, page) -> list[str]:
         return []
     s, rss, ttft = result["settings"], result["rss"], result["ttft_seconds"]
     passed = ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in result["passed"].items())
-    intro = (f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
-             f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
-             f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client. One "
-             "model worker serves every turn, so time to first token is mostly waiting for a turn slot and for the "
-             "other turns' steps; the speeds are what this run got on a machine shared with other jobs.")
+    intro = (
+        f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
+        f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
+        f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client. One "
+        "model worker serves every turn, so time to first token is mostly waiting for a turn slot and for the "
+        "other turns' steps; the speeds are what this run got on a machine shared with other jobs."
+    )
     lines = ["## Serve under load", "", intro, ""]
-    lines += table(["measure", "value"], [
-        ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
-        ["later turns recognised (only the new message fed)", f"{result['recognised']} of {result['later_turns']}"],
-        ["tokens fed per later turn, median", num(result["fed_tokens_later_turns_median"], 0)],
-        ["time to first token p50 / p95 / max", f"{num(ttft['p50'])} / {num(ttft['p95'])} / {num(ttft['max'])} s"],
-        ["reply tokens per second, all conversations together", num(result["tokens_per_second"])],
-        ["reply tokens per second of one request, median", num(result["per_request_tokens_per_second_median"])],
-        ["server RSS at warm-up → largest after", (f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
-                                                   f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
-                                                   f"({num(rss['ratio'], 3)}×)")],
-        ["warm-up ends", f"{rss['warm_up_ends']}, at {num(rss['warm_up_seconds'], 0)} s"],
-        ["server RSS once every second turn is done → largest after (caches still filling)",
-         f"{rss['at_second_turns_bytes'] / 2**20:,.1f} MiB ({num(rss['ratio_after_second_turns'], 3)}×)"],
-        ["wall time", f"{num(result['wall_seconds'], 0)} s"],
-        ["pass", passed]], {1})
+    lines += table(
+        ["measure", "value"],
+        [
+            ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
+            ["later turns recognised (only the new message fed)", f"{result['recognised']} of {result['later_turns']}"],
+            ["tokens fed per later turn, median", num(result["fed_tokens_later_turns_median"], 0)],
+            ["time to first token p50 / p95 / max", f"{num(ttft['p50'])} / {num(ttft['p95'])} / {num(ttft['max'])} s"],
+            ["reply tokens per second, all conversations together", num(result["tokens_per_second"])],
+            ["reply tokens per second of one request, median", num(result["per_request_tokens_per_second_median"])],
+            [
+                "server RSS at warm-up → largest after",
+                (
+                    f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
+                    f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
+                    f"({num(rss['ratio'], 3)}×)"
+                ),
+            ],
+            ["warm-up ends", f"{rss['warm_up_ends']}, at {num(rss['warm_up_seconds'], 0)} s"],
+            [
+                "server RSS once every second turn is done → largest after (caches still filling)",
+                f"{rss['at_second_turns_bytes'] / 2**20:,.1f} MiB ({num(rss['ratio_after_second_turns'], 3)}×)",
+            ],
+            ["wall time", f"{num(result['wall_seconds'], 0)} s"],
+            ["pass", passed],
+        ],
+        {1},
+    )
     return lines + [source(res, "serve/load.json"), ""] + res.figure("serve/load.png", page, "serve under load")

@@ -85,7 +85,7 @@ def user_turns(pool: list[str], tokenizer, rng: random.Random):
         low, high = (20, 120) if kind < 0.6 else (120, 250) if kind < 0.9 else (300, 700)
         target = rng.randint(low, high)
         start = rng.randrange(len(pool) - 40)
-        ids = tokenizer("\n\n".join(pool[start:start + 40]), add_special_tokens=False)["input_ids"][:target]
+        ids = tokenizer("\n\n".join(pool[start : start + 40]), add_special_tokens=False)["input_ids"][:target]
         text = tokenizer.decode(ids).strip()
         yield f"{rng.choice(INSTRUCTIONS)}\n\n{text}"
 
@@ -106,8 +106,9 @@ def plot_chat(result: dict, path) -> None:
 
     ax_speed.plot(turns, series["decode_tokens_per_second"], lw=0.8, alpha=0.6, label="generation, per turn")
     window = 10
-    rolling = [statistics.median(series["decode_tokens_per_second"][max(0, i - window + 1):i + 1])
-               for i in range(len(turns))]
+    rolling = [
+        statistics.median(series["decode_tokens_per_second"][max(0, i - window + 1) : i + 1]) for i in range(len(turns))
+    ]
     ax_speed.plot(turns, rolling, lw=1.6, label=f"generation, median of last {window} turns")
     ax_speed.set_ylabel("tokens / s")
     ax_speed.set_ylim(0, max(series["decode_tokens_per_second"]) * 1.15)
@@ -119,8 +120,12 @@ def plot_chat(result: dict, path) -> None:
     ax_cache.set_ylabel("tokens")
     ax_cache.set_xlabel("turn")
     ax_cache.legend(loc="upper right", fontsize=8)
-    save_figure(fig, path, f"chat soak: {summary['turns']} turns, {summary['tokens_seen']} tokens, "
-                           f"{summary['policy']} (cache {summary['cache_size']})")
+    save_figure(
+        fig,
+        path,
+        f"chat soak: {summary['turns']} turns, {summary['tokens_seen']} tokens, "
+        f"{summary['policy']} (cache {summary['cache_size']})",
+    )
 
 
 @soak.command()
@@ -138,45 +143,103 @@ def plot_chat(result: dict, path) -> None:
 @click.option("--threads", default=2, show_default=True)
 @data_option
 @click.option("--books", default=21, show_default=True, help="Read passages from at most this many books of --data.")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "soak" / "chat_soak.json",
-              show_default=True, help="JSON path; the PNG goes beside it.")
-def chat(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temperature, top_p, repetition_penalty,
-         no_repeat_ngram_size, seed, threads, data, books, out):
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=RESULTS / "soak" / "chat_soak.json",
+    show_default=True,
+    help="JSON path; the PNG goes beside it.",
+)
+def chat(
+    model_spec,
+    policy,
+    cache_size,
+    turns,
+    min_tokens,
+    max_new_tokens,
+    temperature,
+    top_p,
+    repetition_penalty,
+    no_repeat_ngram_size,
+    seed,
+    threads,
+    data,
+    books,
+    out,
+):
     """Hundreds of chat turns in one session, RSS and speed per turn: soak/chat_soak.json (10-20 min)."""
     torch.set_num_threads(threads)
     from h2o_stream import make_policy
     from h2o_stream.apps.chat import rss_bytes
 
     loaded = load_model(model_spec, threads=threads)
-    sampling = Sampling(temperature=temperature, top_p=top_p, repetition_penalty=repetition_penalty,
-                        no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
-    session = ChatSession(loaded.model, loaded.tokenizer, policy=make_policy(policy, cache_size), sampling=sampling,
-                          model_name=loaded.name)
+    sampling = Sampling(
+        temperature=temperature,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
+    session = ChatSession(
+        loaded.model,
+        loaded.tokenizer,
+        policy=make_policy(policy, cache_size),
+        sampling=sampling,
+        model_name=loaded.name,
+    )
     rng = random.Random(seed)
     messages = user_turns(paragraphs(data, books), loaded.tokenizer, rng)
-    keys = ["turn", "prompt_tokens", "generated_tokens", "stop_reason", "decode_tokens_per_second",
-            "prompt_tokens_per_second", "rss_bytes", "cache_slots", "tokens_seen", "evicted", "elapsed_s", "load_1m"]
+    keys = [
+        "turn",
+        "prompt_tokens",
+        "generated_tokens",
+        "stop_reason",
+        "decode_tokens_per_second",
+        "prompt_tokens_per_second",
+        "rss_bytes",
+        "cache_slots",
+        "tokens_seen",
+        "evicted",
+        "elapsed_s",
+        "load_1m",
+    ]
     series = {k: [] for k in keys}
     start = time.perf_counter()
     turn = 0
-    print(f"chat soak: {loaded.name}, {session.policy.describe()}, {describe_source(data)}, >= {turns} turns and "
-          f">= {min_tokens} tokens", flush=True)
+    print(
+        f"chat soak: {loaded.name}, {session.policy.describe()}, {describe_source(data)}, >= {turns} turns and "
+        f">= {min_tokens} tokens",
+        flush=True,
+    )
     while turn < turns or session.stats()["tokens_seen"] < min_tokens:
         turn += 1
         result = session.chat(next(messages))
         stats = session.stats()
-        row = {"turn": turn, "prompt_tokens": result.prompt_tokens, "generated_tokens": result.generated_tokens,
-               "stop_reason": result.stop_reason, "decode_tokens_per_second": round(result.tokens_per_second, 3),
-               "prompt_tokens_per_second": round(result.prompt_tokens_per_second, 2), "rss_bytes": rss_bytes(),
-               "cache_slots": stats["cache_slots"], "tokens_seen": stats["tokens_seen"], "evicted": stats["evicted"],
-               "elapsed_s": round(time.perf_counter() - start, 2), "load_1m": round(os.getloadavg()[0], 2)}
+        row = {
+            "turn": turn,
+            "prompt_tokens": result.prompt_tokens,
+            "generated_tokens": result.generated_tokens,
+            "stop_reason": result.stop_reason,
+            "decode_tokens_per_second": round(result.tokens_per_second, 3),
+            "prompt_tokens_per_second": round(result.prompt_tokens_per_second, 2),
+            "rss_bytes": rss_bytes(),
+            "cache_slots": stats["cache_slots"],
+            "tokens_seen": stats["tokens_seen"],
+            "evicted": stats["evicted"],
+            "elapsed_s": round(time.perf_counter() - start, 2),
+            "load_1m": round(os.getloadavg()[0], 2),
+        }
         for k in keys:
             series[k].append(row[k])
         if turn % 10 == 0 or turn <= 3:
-            print(f"turn {turn:4d}: seen {row['tokens_seen']:6d}, prompt {row['prompt_tokens']:4d} tok, "
-                  f"reply {row['generated_tokens']:3d} tok at {row['decode_tokens_per_second']:5.1f} tok/s, "
-                  f"RSS {row['rss_bytes'] / 2**20:7.1f} MiB, cache {row['cache_slots']}/{cache_size}, "
-                  f"load {row['load_1m']}", flush=True)
+            print(
+                f"turn {turn:4d}: seen {row['tokens_seen']:6d}, prompt {row['prompt_tokens']:4d} tok, "
+                f"reply {row['generated_tokens']:3d} tok at {row['decode_tokens_per_second']:5.1f} tok/s, "
+                f"RSS {row['rss_bytes'] / 2**20:7.1f} MiB, cache {row['cache_slots']}/{cache_size}, "
+                f"load {row['load_1m']}",
+                flush=True,
+            )
 
     speeds = series["decode_tokens_per_second"]
     rss = series["rss_bytes"]
@@ -209,22 +272,36 @@ def chat(model_spec, policy, cache_size, turns, min_tokens, max_new_tokens, temp
     result = {
         "benchmark": "chat_soak",
         "note": "load_1m in the series is the 1-minute load average after each turn (other jobs on the machine slow "
-                "generation down)",
-        "settings": {"model": loaded.name, "policy": policy, "cache_size": cache_size, "turns": turns,
-                     "min_tokens": min_tokens, "sampling": vars(sampling), "threads": threads,
-                     "chunk_size": session.chunk_size, "data": corpus_record(data), "books": books},
+        "generation down)",
+        "settings": {
+            "model": loaded.name,
+            "policy": policy,
+            "cache_size": cache_size,
+            "turns": turns,
+            "min_tokens": min_tokens,
+            "sampling": vars(sampling),
+            "threads": threads,
+            "chunk_size": session.chunk_size,
+            "data": corpus_record(data),
+            "books": books,
+        },
         "corpus": describe_source(data),
         "environment": environment(),
         "summary": summary,
         "series": series,
     }
     write_result(out, result, plot_chat)
-    print(f"RSS last / after turn 10: {rss_ratio:.4f} ({rss[-1] / 2**20:.1f} / {rss[9] / 2**20:.1f} MiB) "
-          f"-> {'flat' if summary['rss_flat'] else 'GREW'}")
-    print(f"tok/s last / turn 10: {speed_ratio:.3f} ({speeds[-1]:.2f} / {speeds[9]:.2f}); median of last 10 / "
-          f"median of turns 10-19: {speed_window_ratio:.3f}")
-    print(f"{turn} turns, {summary['tokens_seen']} tokens, max cache occupancy {summary['max_cache_slots']}/"
-          f"{cache_size}")
+    print(
+        f"RSS last / after turn 10: {rss_ratio:.4f} ({rss[-1] / 2**20:.1f} / {rss[9] / 2**20:.1f} MiB) "
+        f"-> {'flat' if summary['rss_flat'] else 'GREW'}"
+    )
+    print(
+        f"tok/s last / turn 10: {speed_ratio:.3f} ({speeds[-1]:.2f} / {speeds[9]:.2f}); median of last 10 / "
+        f"median of turns 10-19: {speed_window_ratio:.3f}"
+    )
+    print(
+        f"{turn} turns, {summary['tokens_seen']} tokens, max cache occupancy {summary['max_cache_slots']}/{cache_size}"
+    )
 
 
 #: the decoding `h2o-stream summarize` used before the generation layer
@@ -240,20 +317,32 @@ CHAT_MESSAGES = [
 def distinct_4(text: str) -> float | None:
     """Distinct word 4-grams / all word 4-grams of `text`; None when it has fewer than 4 words."""
     words = re.findall(r"\w+|[^\w\s]", text.lower())
-    grams = [tuple(words[i:i + 4]) for i in range(len(words) - 3)]
+    grams = [tuple(words[i : i + 4]) for i in range(len(words) - 3)]
     return len(set(grams)) / len(grams) if grams else None
 
 
 def summary_row(book: str, setting: str, result) -> dict:
-    return {"book": book, "setting": setting, "distinct_4": distinct_4(result.text), "text": result.text,
-            "stop_reason": result.stop_reason, "tokens_generated": result.tokens_generated,
-            "tokens_read": result.tokens_read, "sampling": result.sampling, "seconds": round(result.seconds, 1)}
+    return {
+        "book": book,
+        "setting": setting,
+        "distinct_4": distinct_4(result.text),
+        "text": result.text,
+        "stop_reason": result.stop_reason,
+        "tokens_generated": result.tokens_generated,
+        "tokens_read": result.tokens_read,
+        "sampling": result.sampling,
+        "seconds": round(result.seconds, 1),
+    }
 
 
 @soak.command()
 @data_option
-@click.option("--books", default="Pride and Prejudice,Moby Dick,Frankenstein", show_default=True,
-              help="Comma-separated titles (or parts of titles) in --data.")
+@click.option(
+    "--books",
+    default="Pride and Prejudice,Moby Dick,Frankenstein",
+    show_default=True,
+    help="Comma-separated titles (or parts of titles) in --data.",
+)
 @click.option("--chars", default=80_000, show_default=True, help="Characters from the start of each book.")
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--chunk-size", default=256, show_default=True)
@@ -261,9 +350,13 @@ def summary_row(book: str, setting: str, result) -> dict:
 @click.option("--chat-turns", default=len(CHAT_MESSAGES), show_default=True)
 @click.option("--threads", default=1, show_default=True)
 @model_option
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path),
-              default=RESULTS / "soak" / "generation_defaults.json", show_default=True,
-              help="JSON path; the PNG goes beside it.")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=RESULTS / "soak" / "generation_defaults.json",
+    show_default=True,
+    help="JSON path; the PNG goes beside it.",
+)
 def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_turns, threads, model_spec, out):
     """Summaries and chat replies with the old and the current decoding defaults: soak/generation_defaults.json."""
     from h2o_stream.apps.summarize import settings as summarize_settings
@@ -273,9 +366,12 @@ def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_tu
     loaded = load_model(model_spec, threads=threads)
     started = time.perf_counter()
     common = {"policy": "h2o", "cache_size": cache_size, "chunk_size": chunk_size, "max_new_tokens": max_new_tokens}
-    new_defaults = {"temperature": summarize_settings.DEFAULT_TEMPERATURE, "top_p": summarize_settings.DEFAULT_TOP_P,
-                    "repetition_penalty": summarize_settings.DEFAULT_REPETITION_PENALTY,
-                    "no_repeat_ngram_size": summarize_settings.DEFAULT_NO_REPEAT_NGRAM_SIZE}
+    new_defaults = {
+        "temperature": summarize_settings.DEFAULT_TEMPERATURE,
+        "top_p": summarize_settings.DEFAULT_TOP_P,
+        "repetition_penalty": summarize_settings.DEFAULT_REPETITION_PENALTY,
+        "no_repeat_ngram_size": summarize_settings.DEFAULT_NO_REPEAT_NGRAM_SIZE,
+    }
     summaries = []
     for title in (t.strip() for t in books.split(",")):
         _, book = read_book(data, title)
@@ -283,27 +379,43 @@ def defaults(data, books, chars, cache_size, chunk_size, max_new_tokens, chat_tu
         for setting, decoding in (("old", OLD_SUMMARIZE), ("new defaults", {})):
             result = summarize(document, loaded, **common, **decoding)
             summaries.append({**summary_row(book.title, setting, result), "chars": len(document)})
-            print(f"{book.title} [{setting}] d4={summaries[-1]['distinct_4']} {result.stop_reason} "
-                  f"{result.tokens_generated} tok, {result.seconds:.0f} s: {result.text[:160]!r}", flush=True)
+            print(
+                f"{book.title} [{setting}] d4={summaries[-1]['distinct_4']} {result.stop_reason} "
+                f"{result.tokens_generated} tok, {result.seconds:.0f} s: {result.text[:160]!r}",
+                flush=True,
+            )
 
     session = ChatSession(loaded.model, loaded.tokenizer, model_name=loaded.name)  # every chat default
     replies = []
     for message in CHAT_MESSAGES[:chat_turns]:
         turn = session.chat(message)
-        replies.append({"message": message, "text": turn.text, "distinct_4": distinct_4(turn.text),
-                     "stop_reason": turn.stop_reason, "tokens_generated": turn.generated_tokens})
+        replies.append(
+            {
+                "message": message,
+                "text": turn.text,
+                "distinct_4": distinct_4(turn.text),
+                "stop_reason": turn.stop_reason,
+                "tokens_generated": turn.generated_tokens,
+            }
+        )
         print(f"chat d4={replies[-1]['distinct_4']} {turn.stop_reason}: {turn.text[:160]!r}", flush=True)
 
     result = {
         "description": "Readable defaults: do summarize's decoding defaults, and the chat's, stop the default model "
-                       "from looping?",
+        "from looping?",
         "data": describe_source(data),
         "model": loaded.name,
         "h2o_stream": __version__,
-        "settings": {"books": books, "chars": chars, **common, "old_summarize": OLD_SUMMARIZE,
-                     "new_summarize_defaults": new_defaults, "chat_defaults": asdict(session.sampling),
-                     "chat_cache": session.policy.settings(),
-                     "distinct_4": "distinct word 4-grams / all word 4-grams (lower-cased \\w+ runs and punctuation)"},
+        "settings": {
+            "books": books,
+            "chars": chars,
+            **common,
+            "old_summarize": OLD_SUMMARIZE,
+            "new_summarize_defaults": new_defaults,
+            "chat_defaults": asdict(session.sampling),
+            "chat_cache": session.policy.settings(),
+            "distinct_4": "distinct word 4-grams / all word 4-grams (lower-cased \\w+ runs and punctuation)",
+        },
         "summaries": summaries,
         "chat": replies,
         "seconds": round(time.perf_counter() - started, 1),
@@ -318,18 +430,20 @@ def plot_defaults(result: dict, path) -> None:
     books = list(dict.fromkeys(row["book"] for row in result["summaries"]))
     width = 0.38
     for k, setting in enumerate(("old", "new defaults")):
-        values = [next((r["distinct_4"] or 0 for r in result["summaries"]
-                        if r["book"] == b and r["setting"] == setting), 0) for b in books]
+        values = [
+            next((r["distinct_4"] or 0 for r in result["summaries"] if r["book"] == b and r["setting"] == setting), 0)
+            for b in books
+        ]
         left.bar([i + (k - 0.5) * width for i in range(len(books))], values, width, label=setting)
     left.set_xticks(range(len(books)), [b[:22] for b in books], fontsize=8)
     left.set_ylim(0, 1.05)
     left.set_ylabel("distinct 4-gram ratio")
-    left.set_title(f"summaries ({result['settings']['chars']:,} chars, cache {result['settings']['cache_size']})",
-                   fontsize=9)
+    left.set_title(
+        f"summaries ({result['settings']['chars']:,} chars, cache {result['settings']['cache_size']})", fontsize=9
+    )
     left.legend(fontsize=8)
     right.bar(range(len(result["chat"])), [t["distinct_4"] or 0 for t in result["chat"]], color="tab:green")
     right.set_xticks(range(len(result["chat"])), [f"turn {i + 1}" for i in range(len(result["chat"]))], fontsize=8)
     right.set_ylim(0, 1.05)
     right.set_title("chat replies (ChatSession defaults)", fontsize=9)
     save_figure(fig, path, f"{result['model']}: repetition in generated text (1.0 = no word 4-gram repeated)")
-

@@ -47,10 +47,20 @@ from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import default_chunk_size
 
 TENSOR_OPS = ", tensor ops"
-out_dir_option = click.option("--out-dir", type=click.Path(file_okay=False, path_type=Path),
-                              default=RESULTS / "speed", show_default=True, help="Where the JSON and PNG files go.")
-threads_option = click.option("--threads", default="1,2", show_default=True, help="Thread counts, comma-separated.",
-                              callback=lambda _context, _param, value: [int(t) for t in value.split(",")])
+out_dir_option = click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=RESULTS / "speed",
+    show_default=True,
+    help="Where the JSON and PNG files go.",
+)
+threads_option = click.option(
+    "--threads",
+    default="1,2",
+    show_default=True,
+    help="Thread counts, comma-separated.",
+    callback=lambda _context, _param, value: [int(t) for t in value.split(",")],
+)
 
 
 @click.group()
@@ -62,8 +72,12 @@ def speed():
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--block", default=4, show_default=True, help="Timed decode steps per contender and round.")
 @click.option("--rounds", default=32, show_default=True)
-@click.option("--policies", default="h2o,sink,window,full,tova,roco,chat", show_default=True,
-              help="Contenders besides the raw step; chat is the chat's decode loop over an h2o cache.")
+@click.option(
+    "--policies",
+    default="h2o,sink,window,full,tova,roco,chat",
+    show_default=True,
+    help="Contenders besides the raw step; chat is the chat's decode loop over an h2o cache.",
+)
 @threads_option
 @model_option
 @out_dir_option
@@ -76,15 +90,20 @@ def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
     model, raw = loaded.model, ("dynamic", "dynamic_inference")
     names = [*raw, *policies.split(",")]
     margin = min(100, model.config.vocab_size // 4)
-    stream = torch.randint(margin, model.config.vocab_size - margin, (1, cache_size + rounds * block + 1),
-                           generator=torch.Generator().manual_seed(0))
+    stream = torch.randint(
+        margin,
+        model.config.vocab_size - margin,
+        (1, cache_size + rounds * block + 1),
+        generator=torch.Generator().manual_seed(0),
+    )
 
     def fresh(name):
         if name in raw:
             cache = DynamicCache(config=model.config)
         else:
-            policy = make_policy("h2o" if name == "chat" else name, None if name == "full" else cache_size,
-                                 tokenizer=loaded.tokenizer)
+            policy = make_policy(
+                "h2o" if name == "chat" else name, None if name == "full" else cache_size, tokenizer=loaded.tokenizer
+            )
             cache = StreamingCache(model, policy)
         model(stream[:, :cache_size], cache=cache)
         return cache
@@ -93,7 +112,7 @@ def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
         def run(r, _):
             if name == "full":  # full grows: refilled, so that it decodes at the same length every round
                 caches[name] = fresh(name)
-            cache, steps = caches[name], stream[:, cache_size + r * block: cache_size + (r + 1) * block]
+            cache, steps = caches[name], stream[:, cache_size + r * block : cache_size + (r + 1) * block]
             started = time.perf_counter()
             if name == "chat":  # block + 1 tokens picked, block of them fed
                 logits = model(steps[:, :1], cache=cache).logits[0, -1]
@@ -101,11 +120,12 @@ def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
             else:
                 with torch.inference_mode() if name == "dynamic_inference" else contextlib.nullcontext():
                     for i in range(block):
-                        model(steps[:, i:i + 1], cache=cache)
+                        model(steps[:, i : i + 1], cache=cache)
             seconds = (time.perf_counter() - started) / block
             if name in raw:
                 cache.crop(-block)
             return seconds
+
         return run
 
     sampling = chat_sampling()
@@ -115,14 +135,22 @@ def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
             caches = {name: fresh(name) for name in names}
             per_token = alternate({name: step(name) for name in names}, rounds)
         median = {name: statistics.median(v) for name, v in per_token.items()}
-        report = {"benchmark": "exact-mode decode vs DynamicCache", "model": loaded.name, "cache_size": cache_size,
-                  "block": block, "rounds": rounds, "environment": environment(),
-                  "median_seconds_per_token": median,
-                  "ratio_vs_dynamic": {n: median[n] / median["dynamic"] for n in names[1:]},
-                  "ratio_vs_dynamic_inference": {n: median[n] / median["dynamic_inference"] for n in names[2:]},
-                  "per_block_seconds_per_token": per_token, "target_ratio": 1 / 0.9}
-        print(f"{count} thread(s), time vs the raw step:", {n: round(r, 3) for n, r in
-                                                             report["ratio_vs_dynamic"].items()})
+        report = {
+            "benchmark": "exact-mode decode vs DynamicCache",
+            "model": loaded.name,
+            "cache_size": cache_size,
+            "block": block,
+            "rounds": rounds,
+            "environment": environment(),
+            "median_seconds_per_token": median,
+            "ratio_vs_dynamic": {n: median[n] / median["dynamic"] for n in names[1:]},
+            "ratio_vs_dynamic_inference": {n: median[n] / median["dynamic_inference"] for n in names[2:]},
+            "per_block_seconds_per_token": per_token,
+            "target_ratio": 1 / 0.9,
+        }
+        print(
+            f"{count} thread(s), time vs the raw step:", {n: round(r, 3) for n, r in report["ratio_vs_dynamic"].items()}
+        )
         write_result(out_dir / f"decode_{count}thread{'s' if count > 1 else ''}.json", report, plot_decode)
 
 
@@ -138,8 +166,12 @@ def plot_decode(report: dict, path: Path) -> None:
     ax.set_ylim(top=1.25 * 1000 * max(median.values()))  # room for two-line labels
     ax.set_ylabel("ms per decoded token (median)")
     ax.set_title("time vs dynamic (top) and vs dynamic_inference (bottom)", fontsize=8)
-    save_figure(fig, path, f"exact mode and chat decode vs DynamicCache, cache {report['cache_size']}, "
-                           f"{report['environment']['threads']} thread(s)")
+    save_figure(
+        fig,
+        path,
+        f"exact mode and chat decode vs DynamicCache, cache {report['cache_size']}, "
+        f"{report['environment']['threads']} thread(s)",
+    )
 
 
 @speed.command()
@@ -161,8 +193,11 @@ def scan(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
     prefix, timed = stream[:cache_size], stream[cache_size:]
     raw = lambda: DynamicCache(config=model.config)  # noqa: E731
     # name: (make a cache, tokens per forward, raw (cropped back), tokens per round)
-    contenders = {"raw forward": (raw, span, True, tokens), "raw decode step": (raw, 1, True, step_tokens),
-                  "raw decode step, inference mode": (raw, 1, True, step_tokens)}
+    contenders = {
+        "raw forward": (raw, span, True, tokens),
+        "raw decode step": (raw, 1, True, step_tokens),
+        "raw decode step, inference mode": (raw, 1, True, step_tokens),
+    }
     for name in policies.split(","):
         policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
         chunk = default_chunk_size(policy)
@@ -171,24 +206,43 @@ def scan(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
         else:
             for ops in ("", TENSOR_OPS):
                 contenders[f"{name} exact, scanned in {span}{ops}"] = (
-                    lambda p=policy: StreamingCache(model, p, decide_every=1), span, False, tokens)
+                    lambda p=policy: StreamingCache(model, p, decide_every=1),
+                    span,
+                    False,
+                    tokens,
+                )
             if chunk > 1:
                 contenders[f"{name} chunk {chunk}, scanned in {span}"] = (
-                    lambda p=policy, k=chunk: StreamingCache(model, p, decide_every=k), span, False, tokens)
+                    lambda p=policy, k=chunk: StreamingCache(model, p, decide_every=k),
+                    span,
+                    False,
+                    tokens,
+                )
         for ops in ("", TENSOR_OPS):
             contenders[f"{name} exact, one forward each{ops}"] = (
-                lambda p=policy: StreamingCache(model, p), 1, False, step_tokens)
+                lambda p=policy: StreamingCache(model, p),
+                1,
+                False,
+                step_tokens,
+            )
 
     def step(name, cache, width, crop, count):
         def run(r, _):
-            block = timed[r * tokens:r * tokens + count]
+            block = timed[r * tokens : r * tokens + count]
             with _scan_context(name):
                 return time_chunks(model, cache, block, width, crop) / block.numel()
+
         return run
 
-    report = {"benchmark": "exact mode compiled vs on tensor operations vs raw forwards", "model": loaded.name,
-              "data": corpus_record(data), "cache_size": cache_size, "span": span, "environment": environment(),
-              "threads": {}}
+    report = {
+        "benchmark": "exact mode compiled vs on tensor operations vs raw forwards",
+        "model": loaded.name,
+        "data": corpus_record(data),
+        "cache_size": cache_size,
+        "span": span,
+        "environment": environment(),
+        "threads": {},
+    }
     for count in threads:
         setup(count)
         steps = {}
@@ -200,12 +254,21 @@ def scan(cache_size, span, policies, threads, rounds, tokens, step_tokens, data,
         seconds = alternate(steps, rounds)
         speed_ = {name: 1 / statistics.median(v) for name, v in seconds.items()}
         report["threads"][str(count)] = {
-            "tokens_per_second": speed_, "seconds_per_token_per_round": seconds,
-            **{key: {n: s / speed_[base] for n, s in speed_.items()} for key, base in (
-                ("vs_raw_forward", "raw forward"), ("vs_raw_decode_step", "raw decode step"),
-                ("vs_raw_decode_step_in_inference_mode", "raw decode step, inference mode"))}}
-        print(f"{count} thread(s), vs the raw forward:", {n: round(r, 3) for n, r in
-                                                            report["threads"][str(count)]["vs_raw_forward"].items()})
+            "tokens_per_second": speed_,
+            "seconds_per_token_per_round": seconds,
+            **{
+                key: {n: s / speed_[base] for n, s in speed_.items()}
+                for key, base in (
+                    ("vs_raw_forward", "raw forward"),
+                    ("vs_raw_decode_step", "raw decode step"),
+                    ("vs_raw_decode_step_in_inference_mode", "raw decode step, inference mode"),
+                )
+            },
+        }
+        print(
+            f"{count} thread(s), vs the raw forward:",
+            {n: round(r, 3) for n, r in report["threads"][str(count)]["vs_raw_forward"].items()},
+        )
     write_result(out_dir / "exact_scan.json", report, plot_scan)
 
 
@@ -225,8 +288,14 @@ def plot_scan(report: dict, path: Path) -> None:
     counts = list(report["threads"])
     fig, axes = new_figure(1, len(counts), size=(6.5 * len(counts), 5))
     axes = axes if len(counts) > 1 else [axes]
-    colors = lambda n: "#888888" if n.startswith("raw") else "#dd8452" if n.endswith(TENSOR_OPS) else (  # noqa: E731
-        "#55a868" if " chunk " in n else "#4c72b0")
+
+    def colors(n):
+        if n.startswith("raw"):
+            return "#888888"
+        if n.endswith(TENSOR_OPS):
+            return "#dd8452"
+        return "#55a868" if " chunk " in n else "#4c72b0"
+
     for ax, count in zip(axes, counts, strict=True):
         speed_ = report["threads"][count]["tokens_per_second"]
         ax.barh(list(speed_), list(speed_.values()), color=[colors(n) for n in speed_])
@@ -235,18 +304,29 @@ def plot_scan(report: dict, path: Path) -> None:
         ax.set_xlabel("tokens / second (log scale)")
         ax.set_title(f"{count} thread(s)", fontsize=9)
         ax.tick_params(axis="y", labelsize=7)
-    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}, forwards of {report['span']}\nblue: "
-                           "exact mode compiled, orange: exact mode on tensor operations, green: chunks, grey: raw")
+    save_figure(
+        fig,
+        path,
+        f"{report['model']}, cache {report['cache_size']}, forwards of {report['span']}\nblue: "
+        "exact mode compiled, orange: exact mode on tensor operations, green: chunks, grey: raw",
+    )
 
 
 @speed.command()
-@click.option("--policies", show_default=True,
-              default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer")
+@click.option(
+    "--policies",
+    show_default=True,
+    default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer",
+)
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", default=5, show_default=True)
 @click.option("--round-tokens", default=512, show_default=True, help="Tokens per round and contender, chunks > 1.")
-@click.option("--exact-round-tokens", default=96, show_default=True,
-              help="Tokens per round and contender for the policies whose default is exact mode (chunk 1).")
+@click.option(
+    "--exact-round-tokens",
+    default=96,
+    show_default=True,
+    help="Tokens per round and contender for the policies whose default is exact mode (chunk 1).",
+)
 @click.option("--threads", default=2, show_default=True)
 @data_option
 @model_option
@@ -257,17 +337,29 @@ def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads
     loaded = load_model(model_spec)
     names = policies.split(",")
     chunks = {n: default_chunk_size(make_policy(n, cache_size, tokenizer=loaded.tokenizer)) for n in names}
-    for kind, group, tokens in (("chunked", [n for n in names if chunks[n] > 1], round_tokens),
-                                ("exact", [n for n in names if chunks[n] == 1], exact_round_tokens)):
+    for kind, group, tokens in (
+        ("chunked", [n for n in names if chunks[n] > 1], round_tokens),
+        ("exact", [n for n in names if chunks[n] == 1], exact_round_tokens),
+    ):
         if not group:
             continue
         stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * tokens, data)
         rows = {name: _fair_row(loaded, name, cache_size, stream, rounds, tokens) for name in group}
-        report = {"benchmark": "fair chunks vs the raw chunked forward", "model": loaded.name,
-                  "data": corpus_record(data), "cache_size": cache_size, "environment": environment(),
-                  "targets": {"ratio_vs_raw_forward": 0.85}, "throughput": rows,
-                  "throughput_measured_with": {**environment(), "alternate": "forwards", "rounds": rounds,
-                                               "round_tokens": tokens}}
+        report = {
+            "benchmark": "fair chunks vs the raw chunked forward",
+            "model": loaded.name,
+            "data": corpus_record(data),
+            "cache_size": cache_size,
+            "environment": environment(),
+            "targets": {"ratio_vs_raw_forward": 0.85},
+            "throughput": rows,
+            "throughput_measured_with": {
+                **environment(),
+                "alternate": "forwards",
+                "rounds": rounds,
+                "round_tokens": tokens,
+            },
+        }
         write_result(out_dir / f"fair_chunks_{kind}.json", report, plot_fair)
 
 
@@ -283,13 +375,13 @@ def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: 
     caches = {"policy": StreamingCache(model, policy), "raw": DynamicCache(config=model.config)}
     for cache in caches.values():
         for start in range(0, cache_size, chunk):
-            model(prefix[start:start + chunk].unsqueeze(0), cache=cache)
+            model(prefix[start : start + chunk].unsqueeze(0), cache=cache)
     caches["raw"].crop(held - cache_size)  # negative: drop the newest cache_size - held entries
     caches["raw_inference"] = copy.deepcopy(caches["raw"])
 
     def step(who):
         def run(r, i):
-            piece = timed[r * tokens + i * chunk:min(r * tokens + (i + 1) * chunk, (r + 1) * tokens)].unsqueeze(0)
+            piece = timed[r * tokens + i * chunk : min(r * tokens + (i + 1) * chunk, (r + 1) * tokens)].unsqueeze(0)
             with torch.inference_mode() if who == "raw_inference" else contextlib.nullcontext():
                 started = time.perf_counter()
                 model(piece, cache=caches[who])
@@ -297,19 +389,30 @@ def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: 
             if who != "policy":
                 caches[who].crop(-piece.shape[-1])
             return seconds
+
         return run
 
     seconds = alternate({who: step(who) for who in caches}, rounds, per_round=-(-tokens // chunk))
     speeds = {who: statistics.median(tokens / s for s in v) for who, v in seconds.items()}
-    ratios = {who: [s / p for s, p in zip(seconds[who], seconds["policy"], strict=True)]
-              for who in ("raw", "raw_inference")}
-    row = {"chunk_size": chunk, "tokens_per_second": speeds["policy"], "raw_forward": f"raw {held}+{chunk}",
-           "raw_tokens_per_second": speeds["raw"], "ratio_vs_raw_forward": statistics.median(ratios["raw"]),
-           "ratio_per_round": ratios["raw"], "raw_inference_mode_tokens_per_second": speeds["raw_inference"],
-           "ratio_vs_raw_forward_in_inference_mode": statistics.median(ratios["raw_inference"]),
-           "ratio_in_inference_mode_per_round": ratios["raw_inference"]}
-    print(f"{name:10s} C={chunk:3d} {row['tokens_per_second']:7.1f} tok/s = {row['ratio_vs_raw_forward']:.3f}x "
-          f"{row['raw_forward']} ({row['ratio_vs_raw_forward_in_inference_mode']:.3f}x in inference mode)", flush=True)
+    ratios = {
+        who: [s / p for s, p in zip(seconds[who], seconds["policy"], strict=True)] for who in ("raw", "raw_inference")
+    }
+    row = {
+        "chunk_size": chunk,
+        "tokens_per_second": speeds["policy"],
+        "raw_forward": f"raw {held}+{chunk}",
+        "raw_tokens_per_second": speeds["raw"],
+        "ratio_vs_raw_forward": statistics.median(ratios["raw"]),
+        "ratio_per_round": ratios["raw"],
+        "raw_inference_mode_tokens_per_second": speeds["raw_inference"],
+        "ratio_vs_raw_forward_in_inference_mode": statistics.median(ratios["raw_inference"]),
+        "ratio_in_inference_mode_per_round": ratios["raw_inference"],
+    }
+    print(
+        f"{name:10s} C={chunk:3d} {row['tokens_per_second']:7.1f} tok/s = {row['ratio_vs_raw_forward']:.3f}x "
+        f"{row['raw_forward']} ({row['ratio_vs_raw_forward_in_inference_mode']:.3f}x in inference mode)",
+        flush=True,
+    )
     return row
 
 
@@ -317,16 +420,30 @@ def plot_fair(report: dict, path: Path) -> None:
     rows = report["throughput"]
     names, places = list(rows), range(len(rows))
     fig, ax = new_figure(size=(max(4.0, 0.8 * len(names) + 2), 3.6))
-    ax.bar([i - 0.2 for i in places], [rows[n]["ratio_vs_raw_forward"] for n in names], width=0.4,
-           color="#55a868", label="raw forward with gradients off")
-    ax.bar([i + 0.2 for i in places], [rows[n]["ratio_vs_raw_forward_in_inference_mode"] for n in names], width=0.4,
-           color="#8172b2", label="the same in inference mode")
+    ax.bar(
+        [i - 0.2 for i in places],
+        [rows[n]["ratio_vs_raw_forward"] for n in names],
+        width=0.4,
+        color="#55a868",
+        label="raw forward with gradients off",
+    )
+    ax.bar(
+        [i + 0.2 for i in places],
+        [rows[n]["ratio_vs_raw_forward_in_inference_mode"] for n in names],
+        width=0.4,
+        color="#8172b2",
+        label="the same in inference mode",
+    )
     ax.set_xticks(list(places), [f"{n}\nC={rows[n]['chunk_size']}" for n in names], fontsize=8)
     ax.axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
     ax.legend(fontsize=7)
     ax.set_ylabel("tok/s / raw twin tok/s (median)")
-    save_figure(fig, path, f"{report['model']}, cache {report['cache_size']}: fair chunks vs their raw twin, "
-                           f"{report['environment']['threads']} thread(s)")
+    save_figure(
+        fig,
+        path,
+        f"{report['model']}, cache {report['cache_size']}: fair chunks vs their raw twin, "
+        f"{report['environment']['threads']} thread(s)",
+    )
 
 
 @speed.command()
@@ -350,8 +467,10 @@ def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_di
 
     def step(way):
         def run(_r, _i):
-            made[way] = [PerplexityRun(loaded.model, make_policy(n, cache_size, tokenizer=loaded.tokenizer),
-                                       record_tokens=True) for n in names]
+            made[way] = [
+                PerplexityRun(loaded.model, make_policy(n, cache_size, tokenizer=loaded.tokenizer), record_tokens=True)
+                for n in names
+            ]
             started = time.perf_counter()
             if way == "rows":
                 RunRows(made[way]).run(token_pieces(stream))
@@ -359,31 +478,51 @@ def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_di
                 for one in made[way]:
                     one.run(token_pieces(stream))
             return time.perf_counter() - started
+
         return run
 
     seconds = {}
     for count in threads:
         setup(count)
         seconds[str(count)] = alternate({way: step(way) for way in ("rows", "one after another")}, rounds)
-    speed_ = {c: {way: len(names) * tokens / statistics.median(v) for way, v in ways.items()}
-              for c, ways in seconds.items()}
-    gaps = {n: (torch.cat(a.token_nll) - torch.cat(b.token_nll)).abs().mean().item()
-            for n, a, b in zip(names, made["rows"], made["one after another"], strict=True)}
-    report = {"benchmark": "batched sweep rows vs runs one after another", "model": loaded.name, "policies": names,
-              "cache_size": cache_size, "tokens_per_run": tokens, "data": corpus_record(data),
-              "environment": environment(), "seconds": seconds, "sweep_tokens_per_second": speed_,
-              "rows_vs_one_after_another": {c: s["rows"] / s["one after another"] for c, s in speed_.items()},
-              "mean_abs_token_nll_difference": gaps}
+    speed_ = {
+        c: {way: len(names) * tokens / statistics.median(v) for way, v in ways.items()} for c, ways in seconds.items()
+    }
+    gaps = {
+        n: (torch.cat(a.token_nll) - torch.cat(b.token_nll)).abs().mean().item()
+        for n, a, b in zip(names, made["rows"], made["one after another"], strict=True)
+    }
+    report = {
+        "benchmark": "batched sweep rows vs runs one after another",
+        "model": loaded.name,
+        "policies": names,
+        "cache_size": cache_size,
+        "tokens_per_run": tokens,
+        "data": corpus_record(data),
+        "environment": environment(),
+        "seconds": seconds,
+        "sweep_tokens_per_second": speed_,
+        "rows_vs_one_after_another": {c: s["rows"] / s["one after another"] for c, s in speed_.items()},
+        "mean_abs_token_nll_difference": gaps,
+    }
     print("rows vs one after another, by thread count:", report["rows_vs_one_after_another"])
     write_result(out_dir / "rows.json", report, plot_rows)
 
 
 def plot_rows(report: dict, path: Path) -> None:
     fig, ax = new_figure(1, 1, size=(5, 3.2))
-    paired_bars(ax, {f"{count} thread(s)": ways for count, ways in report["sweep_tokens_per_second"].items()},
-                ("rows", "one after another"), "sweep tokens / second")
-    save_figure(fig, path, f"{len(report['policies'])} runs ({', '.join(report['policies'])}) at cache "
-                           f"{report['cache_size']}, {report['tokens_per_run']:,} tokens each")
+    paired_bars(
+        ax,
+        {f"{count} thread(s)": ways for count, ways in report["sweep_tokens_per_second"].items()},
+        ("rows", "one after another"),
+        "sweep tokens / second",
+    )
+    save_figure(
+        fig,
+        path,
+        f"{len(report['policies'])} runs ({', '.join(report['policies'])}) at cache "
+        f"{report['cache_size']}, {report['tokens_per_run']:,} tokens each",
+    )
 
 
 STARTUP = (("--help",), ("ppl", "--help"), ("ppl", "--nope"))
@@ -391,8 +530,12 @@ STARTUP = (("--help",), ("ppl", "--help"), ("ppl", "--nope"))
 
 @speed.command()
 @click.option("--rounds", default=10, show_default=True)
-@click.option("--model", "model_spec", default=None,
-              help="Time instead a short `ppl` on this model, launch to exit (run it once before: its later starts).")
+@click.option(
+    "--model",
+    "model_spec",
+    default=None,
+    help="Time instead a short `ppl` on this model, launch to exit (run it once before: its later starts).",
+)
 @out_dir_option
 def startup(rounds, model_spec, out_dir):
     """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json (with --model,
@@ -400,8 +543,11 @@ def startup(rounds, model_spec, out_dir):
     program = shutil.which("h2o-stream", path=str(Path(sys.executable).parent)) or shutil.which("h2o-stream")
     if program is None:
         raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
-    commands = STARTUP if model_spec is None else (
-        ("ppl", "--model", model_spec, "--data", "sample", "--policy", "sink", "--tokens", "16", "--out", "OUT"),)
+    commands = (
+        STARTUP
+        if model_spec is None
+        else (("ppl", "--model", model_spec, "--data", "sample", "--policy", "sink", "--tokens", "16", "--out", "OUT"),)
+    )
     statuses = {}
     load = os.getloadavg()  # on a shared machine, what else was running
 
@@ -409,20 +555,38 @@ def startup(rounds, model_spec, out_dir):
         def run(_r, _i):
             with tempfile.TemporaryDirectory(prefix="h2o-stream-startup-") as work:  # a fresh --out every time
                 started = time.perf_counter()
-                done = subprocess.run([program, *(str(Path(work) / "out") if a == "OUT" else a for a in arguments)],
-                                      capture_output=True)
+                done = subprocess.run(
+                    [program, *(str(Path(work) / "out") if a == "OUT" else a for a in arguments)], capture_output=True
+                )
                 statuses[arguments] = done.returncode
                 return time.perf_counter() - started
+
         return run
 
     seconds = alternate({arguments: step(arguments) for arguments in commands}, rounds)
-    commands = {" ".join(("h2o-stream", *a)): {"median_seconds": statistics.median(v), "max_seconds": max(v),
-                                               "seconds": v, "exit_status": statuses[a]} for a, v in seconds.items()}
-    print({command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
-           for command, row in commands.items()})
-    report = {"benchmark": "CLI start-up: fresh processes, launch to exit", "rounds": rounds,
-              "environment": environment(), "cpus": os.cpu_count(), "load_average_at_start": list(load),
-              "commands": commands}
+    commands = {
+        " ".join(("h2o-stream", *a)): {
+            "median_seconds": statistics.median(v),
+            "max_seconds": max(v),
+            "seconds": v,
+            "exit_status": statuses[a],
+        }
+        for a, v in seconds.items()
+    }
+    print(
+        {
+            command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
+            for command, row in commands.items()
+        }
+    )
+    report = {
+        "benchmark": "CLI start-up: fresh processes, launch to exit",
+        "rounds": rounds,
+        "environment": environment(),
+        "cpus": os.cpu_count(),
+        "load_average_at_start": list(load),
+        "commands": commands,
+    }
     if model_spec is not None:
         report["model"] = model_spec
     name = "startup.json" if model_spec is None else f"startup_{Path(model_spec).name}.json"
@@ -433,8 +597,7 @@ def plot_startup(report: dict, path: Path) -> None:
     rows = report["commands"]
     fig, ax = new_figure(size=(6, 3))
     ax.barh(list(rows), [r["median_seconds"] for r in rows.values()], color="#4c72b0", label="median")
-    ax.scatter([r["max_seconds"] for r in rows.values()], range(len(rows)), color="red", marker="|", s=200,
-               label="max")
+    ax.scatter([r["max_seconds"] for r in rows.values()], range(len(rows)), color="red", marker="|", s=200, label="max")
     ax.invert_yaxis()
     ax.set_xlabel("seconds, launch to exit")
     ax.legend(fontsize=8, loc="lower right")

@@ -12,11 +12,14 @@ from .errors import H2OStreamError
 from .lazy import lazy_exports
 from .version import __version__
 
-__getattr__, __dir__, _lazy = lazy_exports(__name__, {
-    ".apps.perplexity": ("PerplexityResult", "stream_perplexity"),
-    ".apps.summarize": ("SummaryResult", "summarize"),
-    ".engine.policies": ("POLICIES", "EvictionPolicy", "make_policy", "register"),
-    ".engine": ("StreamingCache", "attach"),
-    ".loading.models": ("LoadedModel", "load_model"),
-})
+__getattr__, __dir__, _lazy = lazy_exports(
+    __name__,
+    {
+        ".apps.perplexity": ("PerplexityResult", "stream_perplexity"),
+        ".apps.summarize": ("SummaryResult", "summarize"),
+        ".engine.policies": ("POLICIES", "EvictionPolicy", "make_policy", "register"),
+        ".engine": ("StreamingCache", "attach"),
+        ".loading.models": ("LoadedModel", "load_model"),
+    },
+)
 __all__ = ["H2OStreamError", "__version__", *_lazy]

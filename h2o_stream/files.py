@@ -99,7 +99,7 @@ def _write_body(file, body: bytes) -> None:
         file.write(body[: len(body) // 2])
         file.flush()
         time.sleep(delay)
-        body = body[len(body) // 2:]
+        body = body[len(body) // 2 :]
     file.write(body)
 
 
@@ -113,8 +113,9 @@ def read_verified(path: str | os.PathLike, kind: str, version: int, *, map_locat
         with open(path, "rb") as file:
             magic = file.read(len(MAGIC))
             if magic != MAGIC:
-                raise UnverifiedFile("is not a file written by h2o-stream (or one from a version before verified "
-                                     "files)")
+                raise UnverifiedFile(
+                    "is not a file written by h2o-stream (or one from a version before verified files)"
+                )
             line = file.readline(_HEADER_LIMIT)
             body = file.read()
     except IsADirectoryError:
@@ -126,23 +127,34 @@ def read_verified(path: str | os.PathLike, kind: str, version: int, *, map_locat
     header = _header(line)
     found_kind, found_version = header["kind"], header["version"]
     if found_kind != kind:
-        raise UnverifiedFile(f"is not a {kind}: it is a {found_kind}", found_kind=found_kind,
-                             found_version=found_version)
+        raise UnverifiedFile(
+            f"is not a {kind}: it is a {found_kind}", found_kind=found_kind, found_version=found_version
+        )
     if found_version != version:
-        raise UnverifiedFile(f"is a {kind} of format version {found_version}; this h2o-stream reads version "
-                             f"{version}", found_kind=found_kind, found_version=found_version)
+        raise UnverifiedFile(
+            f"is a {kind} of format version {found_version}; this h2o-stream reads version {version}",
+            found_kind=found_kind,
+            found_version=found_version,
+        )
     if len(body) != header["bytes"]:
-        raise UnverifiedFile(f"is truncated or damaged: it holds {len(body):,} bytes of data, its header says "
-                             f"{header['bytes']:,}", found_kind=found_kind, found_version=found_version)
+        raise UnverifiedFile(
+            f"is truncated or damaged: it holds {len(body):,} bytes of data, its header says {header['bytes']:,}",
+            found_kind=found_kind,
+            found_version=found_version,
+        )
     if hashlib.sha256(body).hexdigest() != header["sha256"]:
-        raise UnverifiedFile("is damaged: its contents do not match their checksum", found_kind=found_kind,
-                             found_version=found_version)
+        raise UnverifiedFile(
+            "is damaged: its contents do not match their checksum", found_kind=found_kind, found_version=found_version
+        )
     try:
         return torch.load(io.BytesIO(body), map_location=map_location, weights_only=True)
     except Exception as error:  # noqa: BLE001 - weights_only refusing code, or a broken archive: the same answer
-        raise UnverifiedFile(f"holds something other than plain data, which h2o-stream never writes "
-                             f"({type(error).__name__}); it was not loaded", found_kind=found_kind,
-                             found_version=found_version) from None
+        raise UnverifiedFile(
+            f"holds something other than plain data, which h2o-stream never writes "
+            f"({type(error).__name__}); it was not loaded",
+            found_kind=found_kind,
+            found_version=found_version,
+        ) from None
 
 
 def _header(line: bytes) -> dict:
@@ -151,9 +163,13 @@ def _header(line: bytes) -> dict:
         header = json.loads(line.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
         header = None
-    if not (isinstance(header, dict) and isinstance(header.get("kind"), str)
-            and isinstance(header.get("version"), int) and isinstance(header.get("bytes"), int)
-            and isinstance(header.get("sha256"), str)):
+    if not (
+        isinstance(header, dict)
+        and isinstance(header.get("kind"), str)
+        and isinstance(header.get("version"), int)
+        and isinstance(header.get("bytes"), int)
+        and isinstance(header.get("sha256"), str)
+    ):
         raise UnverifiedFile("is damaged: its header is not readable")
     return header
 

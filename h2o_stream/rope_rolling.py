@@ -21,9 +21,31 @@ from .errors import H2OStreamError
 # rotation. The layout says how `rotate_half` pairs the dimensions: "half" swaps the two halves (Llama), "pairs" swaps
 # neighbours (Cohere's interleaved rotation), "half_tables" is "half" with cos/sin given for one half only (GPT-OSS).
 ROPE_FAMILIES = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "phi", "phi3",
-                     "gpt_neox", "gemma", "gemma2", "gemma3_text", "stablelm", "olmo", "olmo2", "granite", "smollm3",
-                     "starcoder2", "helium"), "half"),
+    **dict.fromkeys(
+        (
+            "llama",
+            "mistral",
+            "mixtral",
+            "qwen2",
+            "qwen2_moe",
+            "qwen3",
+            "qwen3_moe",
+            "phi",
+            "phi3",
+            "gpt_neox",
+            "gemma",
+            "gemma2",
+            "gemma3_text",
+            "stablelm",
+            "olmo",
+            "olmo2",
+            "granite",
+            "smollm3",
+            "starcoder2",
+            "helium",
+        ),
+        "half",
+    ),
     "cohere2": "pairs",
     "gpt_oss": "half_tables",
 }
@@ -65,7 +87,8 @@ class RopeRoller:
             supported = ", ".join(sorted(ROPE_FAMILIES))
             raise H2OStreamError(
                 f"position rolling needs a rotary (RoPE) model of a known family; {model_type!r} is not one "
-                f"(supported: {supported}). Pass --no-rolling to keep true stream positions instead.")
+                f"(supported: {supported}). Pass --no-rolling to keep true stream positions instead."
+            )
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         per_type = "layer_type" in inspect.signature(rotary.forward).parameters
@@ -106,8 +129,13 @@ class RopeRoller:
                 else:
                     sign = torch.cat([-torch.ones(half, device=device), torch.ones(half, device=device)])
                 inv_norm = 1.0 / (cos * cos + sin * sin)
-                self._tables[key] = {"cos": cos, "sin_rh": sin * sign, "ucos": cos * inv_norm,
-                                     "usin_rh": -sin * sign * inv_norm, "rows": {}}
+                self._tables[key] = {
+                    "cos": cos,
+                    "sin_rh": sin * sign,
+                    "ucos": cos * inv_norm,
+                    "usin_rh": -sin * sign * inv_norm,
+                    "rows": {},
+                }
         return self._tables[key]
 
     def rotate(self, x: torch.Tensor, start: int, stop: int) -> torch.Tensor:

@@ -24,13 +24,18 @@ ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1", "H2O_STREAM_CHAT_HISTORY": "
 # Zephyr-style, with the BOS written by the template and a different end-of-message token.
 ZEPHYR_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + eos_token + "
-    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}")
+    "'\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
 # Appends the message count: the rendering of a longer chat does not start with the rendering of a shorter one.
 NOT_INCREMENTAL_TEMPLATE = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}[{{ messages | length }}]"
 
 #: the chat test modules set TRAINING_TEXTS = this, so conftest's `tokenizer` knows these characters
-TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "système ünïcode ✓ 日本語 text",
-                  "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
+TRAINING_TEXTS = [
+    "hello world, what is two plus two? the answer is four.",
+    "système ünïcode ✓ 日本語 text",
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "user assistant system",
+]
 
 
 def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokenizerFast:
@@ -38,16 +43,27 @@ def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokeniz
 
 
 def session_for(model, tokenizer, *, policy="h2o", size=32, temperature=0.0, max_new_tokens=12, seed=0, **kwargs):
-    return ChatSession(model, tokenizer, policy=make_policy(policy, None if policy == "full" else size),
-                       sampling=Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
-                       **kwargs)
+    return ChatSession(
+        model,
+        tokenizer,
+        policy=make_policy(policy, None if policy == "full" else size),
+        sampling=Sampling(temperature=temperature, max_new_tokens=max_new_tokens, seed=seed),
+        **kwargs,
+    )
 
 
 def session_state(session: ChatSession) -> dict:
-    return {"cache": [{k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in layer.items()}
-                      for layer in session.cache.state()["layers"]],
-            "counters": session.counters(), "rng": session.generator.get_state(), "policy": session.policy,
-            "system": session.system, "recent": session.recent_messages}
+    return {
+        "cache": [
+            {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in layer.items()}
+            for layer in session.cache.state()["layers"]
+        ],
+        "counters": session.counters(),
+        "rng": session.generator.get_state(),
+        "policy": session.policy,
+        "system": session.system,
+        "recent": session.recent_messages,
+    }
 
 
 def assert_same_state(a: dict, b: dict) -> None:

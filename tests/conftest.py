@@ -40,14 +40,19 @@ from model_files import write_tiny_gguf  # noqa: E402  (needs the path above)
 from tiny_models import bpe_tokenizer, save_tiny_model_dir, tiny_llama  # noqa: E402
 
 #: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
-DEFAULT_TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.",
-                          "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
-                          "user assistant system"]
+DEFAULT_TRAINING_TEXTS = [
+    "hello world, what is two plus two? the answer is four.",
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "user assistant system",
+]
 
 
 def pytest_addoption(parser):
-    parser.addoption("--gemma", action="store_true",
-                     help="also run the checks on the real Gemma 3 270M (fetched once; about half an hour on 2 cores)")
+    parser.addoption(
+        "--gemma",
+        action="store_true",
+        help="also run the checks on the real Gemma 3 270M (fetched once; about half an hour on 2 cores)",
+    )
 
 
 def pytest_collection_modifyitems(config, items):

@@ -59,7 +59,7 @@ def run_against_oracle(spec, kv_heads: int, rolling: bool, *, steps: int):
     cache = StreamingCache(model, spec, rolling=rolling)
     ids = stream_for(spec, steps, seed=kv_heads, vocab=VOCAB)
     for t in range(ids.shape[1]):
-        engine_logits = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
+        engine_logits = model(ids[:, t : t + 1], cache=cache).logits[0, -1]
         oracle_logits = oracle.step(int(ids[0, t]))
         assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"step {t}"
         for layer_idx, layer in enumerate(cache.layers):
@@ -111,11 +111,21 @@ class Rules:
         gumbel = None
         if scoring is not None and scoring.gumbel:
             gumbel = (policy.gumbel_seed, policy.tau_init, policy.tau_end, policy.tau_steps)
-        return cls(parts, accumulate, heads == "layer", decay, type(policy).ranking,
-                   frozenset(getattr(policy, "separator_ids", ())), window=window, kernel=getattr(policy, "kernel", 1),
-                   max_pool=getattr(policy, "max_pool", False), schedule=type(policy).layer_schedule,
-                   beta=getattr(policy, "beta", 1), gumbel=gumbel,
-                   merge=(policy.merge_span, policy.merge_seed) if type(policy).eviction == "merge" else None)
+        return cls(
+            parts,
+            accumulate,
+            heads == "layer",
+            decay,
+            type(policy).ranking,
+            frozenset(getattr(policy, "separator_ids", ())),
+            window=window,
+            kernel=getattr(policy, "kernel", 1),
+            max_pool=getattr(policy, "max_pool", False),
+            schedule=type(policy).layer_schedule,
+            beta=getattr(policy, "beta", 1),
+            gumbel=gumbel,
+            merge=(policy.merge_span, policy.merge_seed) if type(policy).eviction == "merge" else None,
+        )
 
     def layer_parts(self, layers: int) -> list[dict[str, int]]:
         """Each layer's parts: the declared ones everywhere, or (pyramid) the one ranked part running in equal
@@ -253,8 +263,14 @@ class Oracle:
             else:  # Keyformer: the scores see softmax((logit + Gumbel draw) / temperature), the output does not
                 seed, tau_init, tau_end, tau_steps = self.rules.gumbel
                 tau = tau_init + (tau_end - tau_init) * min(self.t, tau_steps) / tau_steps
-                probs_of.append(softmax([(x + gumbel_draw(seed, layer, q_head, self.t, e.position)) / tau
-                                         for x, e in zip(logits, entries, strict=True)]))
+                probs_of.append(
+                    softmax(
+                        [
+                            (x + gumbel_draw(seed, layer, q_head, self.t, e.position)) / tau
+                            for x, e in zip(logits, entries, strict=True)
+                        ]
+                    )
+                )
         self.score(heads, probs_of)
         if self.received is None:  # exact mode: cut after every step (a fair chunk cuts at its end)
             for h in range(len(heads)):
@@ -308,7 +324,7 @@ class Oracle:
         for i, e in enumerate(entries):
             if any(e is k for k in kept):
                 continue
-            after = entries[i + 1:]
+            after = entries[i + 1 :]
             mean = sum(o.score for o in after) / len(after) if after else 0.0
             chance = (0.0 if e.score == 0 else 1.0) if mean == 0 else min(1.0, e.score / mean)
             if entry_uniform(seed, layer, head, e.position) < chance:
@@ -347,7 +363,7 @@ class Oracle:
             half = self.rules.kernel // 2
             pooled = {}
             for i, e in enumerate(others):
-                near = [o.score for o in others[max(0, i - half): i + half + 1]]
+                near = [o.score for o in others[max(0, i - half) : i + half + 1]]
                 pooled[id(e)] = max(near) if self.rules.max_pool else sum(near) / self.rules.kernel
             chosen = sorted(others, key=lambda e: (-pooled[id(e)], e.position))[:ranked]
         elif ranking == "token_class":
@@ -357,8 +373,9 @@ class Oracle:
         else:  # key_diversity: the keys least similar to the mean unit key of everything held, ties to the older one
             keys = [e.key if self.rolling else rope(e.key, e.position, self.inv_freq) for e in entries]
             anchor = sum(k / k.norm() for k in keys) / len(keys)
-            similarity = {e.position: float(k @ anchor / (k.norm() * anchor.norm()))
-                          for e, k in zip(entries, keys, strict=True)}
+            similarity = {
+                e.position: float(k @ anchor / (k.norm() * anchor.norm())) for e, k in zip(entries, keys, strict=True)
+            }
             chosen = sorted(others, key=lambda e: (similarity[e.position], e.position))[:ranked]
         return sinks + sorted(chosen, key=lambda e: e.position) + recent
 
@@ -374,9 +391,9 @@ def _hash32(x: int) -> int:
     """docs/design.md's 32-bit hash: x ^= x >> 16; x *= 0x7feb352d; x ^= x >> 15; x *= 0x2c1b3c6d; x ^= x >> 16,
     products modulo 2**32."""
     x ^= x >> 16
-    x = x * 0x7FEB352D % 2 ** 32
+    x = x * 0x7FEB352D % 2**32
     x ^= x >> 15
-    x = x * 0x2C1B3C6D % 2 ** 32
+    x = x * 0x2C1B3C6D % 2**32
     return x ^ (x >> 16)
 
 
@@ -384,20 +401,20 @@ def gumbel_hash(seed: int, layer: int, q_head: int, query: int, key: int) -> int
     """h = H(H(H(H(H(seed) ^ layer) ^ q_head) ^ H(key + s)) ^ H(query + s)), s = 0x1e3779b1 (docs/design.md)."""
     salt = 0x1E3779B1
     start = _hash32(_hash32(_hash32(seed) ^ layer) ^ q_head)
-    return _hash32(_hash32(start ^ _hash32((key + salt) % 2 ** 32)) ^ _hash32((query + salt) % 2 ** 32))
+    return _hash32(_hash32(start ^ _hash32((key + salt) % 2**32)) ^ _hash32((query + salt) % 2**32))
 
 
 def entry_uniform(seed: int, layer: int, kv_head: int, position: int) -> float:
     """cam's coin for an entry: u = (H(H(H(H(seed) ^ layer) ^ kv_head) ^ H(position + s)) // 2**9 + 1/2) / 2**23."""
     start = _hash32(_hash32(_hash32(seed) ^ layer) ^ kv_head)
-    return ((_hash32(start ^ _hash32((position + 0x1E3779B1) % 2 ** 32)) >> 9) + 0.5) / 2 ** 23
+    return ((_hash32(start ^ _hash32((position + 0x1E3779B1) % 2**32)) >> 9) + 0.5) / 2**23
 
 
 def gumbel_draw(seed: int, layer: int, q_head: int, query: int, key: int) -> float:
     """The design's Gumbel draw of (layer, query head, query, key), by stream indices: -log(-log(u)),
     u = (h // 2**9 + 1/2) / 2**23 with h their `gumbel_hash`."""
     h = gumbel_hash(seed, layer, q_head, query, key)
-    return -math.log(-math.log(((h >> 9) + 0.5) / 2 ** 23))
+    return -math.log(-math.log(((h >> 9) + 0.5) / 2**23))
 
 
 def _oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -13,13 +13,15 @@ from pathlib import Path
 
 from h2o_stream.cli import main
 
-TEXT = ("It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
-        "foolishness, it was the epoch of belief, it was the epoch of incredulity. ") * 40
+TEXT = (
+    "It was the best of times, it was the worst of times, it was the age of wisdom, it was the age of "
+    "foolishness, it was the epoch of belief, it was the epoch of incredulity. "
+) * 40
 
 
 def write_corpus(path: Path, books: int = 3, text: str = TEXT) -> Path:
     """A .jsonl corpus of `books` books, each a shifted slice of `text`."""
-    rows = [{"short_book_title": f"Book {i}", "text": text[i * 50:]} for i in range(books)]
+    rows = [{"short_book_title": f"Book {i}", "text": text[i * 50 :]} for i in range(books)]
     path.write_text("\n".join(json.dumps(r) for r in rows))
     return path
 

@@ -50,8 +50,9 @@ def served(model, tokenizer, state_dir, **settings):
     """A Service on a free port of 127.0.0.1, in a thread of this process, for the length of the block."""
     settings.setdefault("cache_size", CACHE)
     limits = settings.pop("limits", Limits(max_tokens=4096))
-    service = Service(model, tokenizer, ServeSettings(state_dir=Path(state_dir), served_model=MODEL, limits=limits,
-                                                      **settings))
+    service = Service(
+        model, tokenizer, ServeSettings(state_dir=Path(state_dir), served_model=MODEL, limits=limits, **settings)
+    )
     service.start()  # as the command does: a state directory in use is refused here, before the server starts
     server, sock, url = make_server(service, "127.0.0.1", 0, log_level="warning")
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
@@ -71,9 +72,27 @@ def served(model, tokenizer, state_dir, **settings):
 
 def serve_process(model_dir, state_dir, *extra, env=None) -> tuple[subprocess.Popen, str]:
     """`h2o-stream serve` in a subprocess on a free port; the process and its URL (read from its start line)."""
-    command = [sys.executable, "-m", "h2o_stream", "serve", "--model", str(model_dir), "--model-name", MODEL,
-               "--state-dir", str(state_dir), "--port", "0", "--cache-size", str(CACHE), "--threads", "1",
-               "--log-level", "warning", *extra]
+    command = [
+        sys.executable,
+        "-m",
+        "h2o_stream",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--model-name",
+        MODEL,
+        "--state-dir",
+        str(state_dir),
+        "--port",
+        "0",
+        "--cache-size",
+        str(CACHE),
+        "--threads",
+        "1",
+        "--log-level",
+        "warning",
+        *extra,
+    ]
     environment = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     try:
         return start_server(command, cwd=state_dir, env=environment)
@@ -105,8 +124,13 @@ def streamed(stream) -> tuple[str, dict, object]:
 
 def reference(model, tokenizer, system=None) -> ChatSession:
     """A chat session as the server makes one, for the replies it should give."""
-    return ChatSession(model, tokenizer, policy=make_policy("h2o", CACHE), system=system,
-                       sampling=chat_sampling(temperature=0, max_new_tokens=GREEDY["max_tokens"], seed=0))
+    return ChatSession(
+        model,
+        tokenizer,
+        policy=make_policy("h2o", CACHE),
+        system=system,
+        sampling=chat_sampling(temperature=0, max_new_tokens=GREEDY["max_tokens"], seed=0),
+    )
 
 
 def conversation(turns: list[tuple[str, str]], message: str, system: str | None = None) -> list[dict]:

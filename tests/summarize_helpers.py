@@ -12,18 +12,54 @@ from transformers import PreTrainedTokenizerFast
 from h2o_stream.apps.summarize import SummaryResult, summarize
 from tiny_models import SMOLLM2_TEMPLATE, bpe_tokenizer
 
-WORDS = ["the", "whale", "ship", "captain", "sea", "storm", "harbour", "night", "morning", "letter", "house", "garden",
-         "sister", "brother", "mother", "father", "journey", "river", "road", "king", "queen", "soldier", "war",
-         "peace", "money", "dinner", "ball", "dance", "town", "country", "church"]
+WORDS = [
+    "the",
+    "whale",
+    "ship",
+    "captain",
+    "sea",
+    "storm",
+    "harbour",
+    "night",
+    "morning",
+    "letter",
+    "house",
+    "garden",
+    "sister",
+    "brother",
+    "mother",
+    "father",
+    "journey",
+    "river",
+    "road",
+    "king",
+    "queen",
+    "soldier",
+    "war",
+    "peace",
+    "money",
+    "dinner",
+    "ball",
+    "dance",
+    "town",
+    "country",
+    "church",
+]
 #: what conftest's `tokenizer` fixture trains on in every summarize test module
-TRAINING_TEXTS = [" ".join(WORDS), "Here is a document: Summarize the document above in a few sentences.",
-                  "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system",
-                  "Here are summaries of consecutive parts of a document, in order: Part 1: 2: 3:"]
+TRAINING_TEXTS = [
+    " ".join(WORDS),
+    "Here is a document: Summarize the document above in a few sentences.",
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "user assistant system",
+    "Here are summaries of consecutive parts of a document, in order: Part 1: 2: 3:",
+]
 
 #: three PG-19 rows: two titles share "mm", one title ("Emma") is also part of another
-BOOKS = [{"short_book_title": "Moby Dick", "publication_date": 1851, "url": "u1", "text": "Call me Ishmael. " * 20},
-         {"short_book_title": "Emma", "publication_date": 1815, "url": "u2", "text": "Emma Woodhouse. " * 20},
-         {"short_book_title": "Emma Returns", "publication_date": 1900, "url": "u3", "text": "Again. " * 20}]
+BOOKS = [
+    {"short_book_title": "Moby Dick", "publication_date": 1851, "url": "u1", "text": "Call me Ishmael. " * 20},
+    {"short_book_title": "Emma", "publication_date": 1815, "url": "u2", "text": "Emma Woodhouse. " * 20},
+    {"short_book_title": "Emma Returns", "publication_date": 1900, "url": "u3", "text": "Again. " * 20},
+]
 
 
 def jsonl(path: Path, rows) -> Path:
@@ -39,7 +75,7 @@ def tiny_tokenizer(template: str | None = SMOLLM2_TEMPLATE) -> PreTrainedTokeniz
 def words(count: int, seed: int = 0) -> str:
     generator = torch.Generator().manual_seed(seed)
     picks = torch.randint(len(WORDS), (count,), generator=generator).tolist()
-    sentences = [" ".join(WORDS[i] for i in picks[k:k + 12]).capitalize() + "." for k in range(0, count, 12)]
+    sentences = [" ".join(WORDS[i] for i in picks[k : k + 12]).capitalize() + "." for k in range(0, count, 12)]
     return " ".join(sentences)
 
 

@@ -18,10 +18,12 @@ from h2o_stream.engine.attention import (
 def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads, layout):
     torch.manual_seed(0)
     sinks, cached, length, dim = 4, 24, 16, 32
+
     def queries():
         if layout == "contiguous":
             return torch.randn(batch, q_heads, length, dim)
         return torch.randn(batch, length, q_heads, dim).transpose(1, 2)
+
     query, sink_query = queries(), queries()
     key = torch.randn(batch, kv_heads, cached + length, dim) * 2
     value = torch.randn(batch, kv_heads, cached + length, dim)

@@ -13,7 +13,7 @@ from tiny_models import random_ids, tiny_model
 def streamed_logits(model, policy, ids, chunk):
     cache = StreamingCache(model, build(policy, 8))
     with torch.no_grad():
-        logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, ids.shape[1], chunk)], 1)
+        logits = torch.cat([model(ids[:, i : i + chunk], cache=cache).logits for i in range(0, ids.shape[1], chunk)], 1)
     return logits, cache
 
 
@@ -24,7 +24,7 @@ def test_batched_streams_match_single_streams(policy, chunk):
     ids = torch.cat([random_ids(60, seed=s) for s in (1, 2, 3)])
     batched, cache = streamed_logits(model, policy, ids, chunk)
     for row in range(ids.shape[0]):
-        alone, _ = streamed_logits(model, policy, ids[row:row + 1], chunk)
+        alone, _ = streamed_logits(model, policy, ids[row : row + 1], chunk)
         assert torch.allclose(batched[row], alone[0], atol=1e-4, rtol=0), (row, (batched[row] - alone[0]).abs().max())
     cache.settle()  # a fair chunk may leave its last cut to the next forward; read what the cache keeps
     kept = cache.layers[0].positions

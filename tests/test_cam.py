@@ -47,7 +47,7 @@ def _one_after_another(values, positions, scores, kept, span, seed, layer):
     for b, h in itertools.product(range(positions.shape[0]), range(positions.shape[1])):
         for e in range(n):
             if not kept[b, h, e] and merges[b, h, e]:
-                values[b, h, e + 1:e + 1 + span] += values[b, h, e] / span
+                values[b, h, e + 1 : e + 1 + span] += values[b, h, e] / span
     return values
 
 
@@ -58,7 +58,7 @@ def test_merging_at_once_is_merging_one_after_another(trial):
     values = torch.randn(2, 3, 40, 5, generator=generator, dtype=torch.float64)
     scores = torch.rand(2, 3, 40, generator=generator, dtype=torch.float64)
     kept = torch.ones(2, 3, 40, dtype=torch.bool)
-    kept[..., 2:4 + 3 * trial] = False  # up to 17 evicted, within each other's span
+    kept[..., 2 : 4 + 3 * trial] = False  # up to 17 evicted, within each other's span
     merged = merge_evicted(values, positions, scores, kept, span=3 + trial, seed=trial, layer=1)
     expected = _one_after_another(values, positions, scores, kept, 3 + trial, trial, 1)
     assert not torch.equal(expected, values)
@@ -86,14 +86,18 @@ def test_a_merge_happens_with_the_attention_ratio_as_its_chance():
 def test_the_coins_are_the_designs_hash_of_layer_head_and_position():
     positions = torch.randint(0, 1 << 31, (2, 3, 7), generator=torch.Generator().manual_seed(1))
     coins = entry_uniforms(11, 4, positions)
-    assert all(coins[b, h, i].item() == entry_uniform(11, 4, h, positions[b, h, i].item())
-               for b in range(2) for h in range(3) for i in range(7))
+    assert all(
+        coins[b, h, i].item() == entry_uniform(11, 4, h, positions[b, h, i].item())
+        for b in range(2)
+        for h in range(3)
+        for i in range(7)
+    )
 
 
 def _stream(policy, ids, chunk=1):
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     cache = StreamingCache(model, policy)
-    logits = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0] for s in range(0, ids.shape[1], chunk)])
+    logits = torch.cat([model(ids[:, s : s + chunk], cache=cache).logits[0] for s in range(0, ids.shape[1], chunk)])
     cache.settle()
     return logits, [layer.positions.tolist() for layer in cache.layers], cache
 
@@ -116,15 +120,18 @@ def test_an_oracle_that_drops_instead_of_merging_is_caught():
     ids = random_ids(10 * BUDGET, seed=2)
     worst = 0.0
     for t in range(ids.shape[1]):
-        engine = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
+        engine = model(ids[:, t : t + 1], cache=cache).logits[0, -1]
         worst = max(worst, (engine - oracle.step(int(ids[0, t]))).abs().max().item())
     assert worst > 1e-3
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"merge_span": 0}, "merge_span (cam's merge span) must be a whole number in (0, 1.04858e+06], got 0"),
-    ({"merge_seed": -1}, "merge_seed must be a whole number in (-1, 4.29497e+09], got -1"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"merge_span": 0}, "merge_span (cam's merge span) must be a whole number in (0, 1.04858e+06], got 0"),
+        ({"merge_seed": -1}, "merge_seed must be a whole number in (-1, 4.29497e+09], got -1"),
+    ],
+)
 def test_a_bad_setting_is_one_clear_error(settings, message):
     with pytest.raises(H2OStreamError) as error:
         make_policy("cam", BUDGET, **settings)
@@ -132,7 +139,21 @@ def test_a_bad_setting_is_one_clear_error(settings, message):
 
 
 def test_a_bad_merge_span_on_the_command_line_is_one_error_line(ppl_model_dir, tmp_path, capsys):
-    args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 60,
-            "--cache-size", 16, "--out", tmp_path / "out", "--policy", "cam", "--merge-span", 0]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--tokens",
+        60,
+        "--cache-size",
+        16,
+        "--out",
+        tmp_path / "out",
+        "--policy",
+        "cam",
+        "--merge-span",
+        0,
+    ]
     assert "merge_span (cam's merge span) must be a whole number" in ppl_error(capsys, *args)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

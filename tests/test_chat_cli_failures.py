@@ -25,8 +25,14 @@ def run_chat(args, stdin, monkeypatch):
 
 
 def run_process(args, stdin: bytes, **kwargs):
-    return subprocess.run(main_command(*args), input=stdin, capture_output="stdout" not in kwargs,
-                          env={**ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"}, timeout=120, **kwargs)
+    return subprocess.run(
+        main_command(*args),
+        input=stdin,
+        capture_output="stdout" not in kwargs,
+        env={**ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"},
+        timeout=120,
+        **kwargs,
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -40,14 +46,16 @@ def test_a_save_that_fills_the_disk_says_so_and_the_chat_goes_on(model_dir, tmp_
     """A real write failure from the kernel: the file size limit (EFBIG; a full disk gives ENOSPC) is hit in the
     middle of writing a cache tensor. torch's writer raised a RuntimeError there ("unexpected pos"), which ended the
     chat and lost the conversation."""
+
     def small_files():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (16384, resource.RLIM_INFINITY))
 
     long_message = "hello world " * 120  # a cache tensor of more than 16 KiB
     stdin = f"{long_message}\n/save {tmp_path}/big.pt\n/stats\nworld\n".encode()
-    result = run_process(["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0], stdin,
-                         preexec_fn=small_files)
+    result = run_process(
+        ["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0], stdin, preexec_fn=small_files
+    )
     out, err = result.stdout.decode(), result.stderr.decode()
     assert result.returncode == 1, err  # piped, and one command failed
     assert "Traceback" not in err
@@ -60,11 +68,13 @@ def test_a_save_that_fills_the_disk_says_so_and_the_chat_goes_on(model_dir, tmp_
 def test_a_save_to_a_read_only_place_says_why_and_the_chat_goes_on(model_dir, tmp_path, monkeypatch):
     """The file system refuses the save and also the clean-up of the partial file (EROFS): the clean-up's error
     used to replace the save's and end the chat. (Injected: a real read-only mount needs privileges.)"""
+
     def read_only(call):
         def refuse(*args, **kwargs):
             if "ro" in Path(args[-1]).name.split("."):
                 raise OSError(errno.EROFS, os.strerror(errno.EROFS))
             return call(*args, **kwargs)
+
         return refuse
 
     monkeypatch.setattr(os, "replace", read_only(os.replace))
@@ -73,8 +83,7 @@ def test_a_save_to_a_read_only_place_says_why_and_the_chat_goes_on(model_dir, tm
     result = run_chat(["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0], stdin, monkeypatch)
     assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
     assert result.exit_code == 1
-    assert error_lines(result.stderr) == [f"Error: cannot save the session to {tmp_path}/ro.pt: Read-only file "
-                                          "system"]
+    assert error_lines(result.stderr) == [f"Error: cannot save the session to {tmp_path}/ro.pt: Read-only file system"]
     assert "saved the session (turn 2" in result.stdout and "turns:           2" in result.stdout
     assert (tmp_path / "rw.pt").is_file() and not (tmp_path / "ro.pt").exists()
 
@@ -85,8 +94,9 @@ def test_a_save_into_a_read_only_directory_says_why(model_dir, tmp_path, monkeyp
     locked.mkdir()
     locked.chmod(0o555)
     try:
-        result = run_chat(["--model", model_dir, "--max-new-tokens", 3], f"hello\n/save {locked}/s.pt\n/stats\n",
-                          monkeypatch)
+        result = run_chat(
+            ["--model", model_dir, "--max-new-tokens", 3], f"hello\n/save {locked}/s.pt\n/stats\n", monkeypatch
+        )
     finally:
         locked.chmod(0o755)
     assert result.exit_code == 1 and "turns:           1" in result.stdout
@@ -108,8 +118,12 @@ def test_any_failing_command_leaves_the_session_alive(model, tokenizer, monkeypa
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
 def test_stdout_on_a_full_device_is_one_error_line(model_dir):
     with open("/dev/full", "wb") as full:
-        result = run_process(["--model", model_dir, "--max-new-tokens", 3], b"hello\n/stats\nworld\n", stdout=full,
-                             stderr=subprocess.PIPE)
+        result = run_process(
+            ["--model", model_dir, "--max-new-tokens", 3],
+            b"hello\n/stats\nworld\n",
+            stdout=full,
+            stderr=subprocess.PIPE,
+        )
     err = result.stderr.decode()
     assert result.returncode == 2, err
     assert "Traceback" not in err and "Exception ignored" not in err
@@ -120,15 +134,23 @@ def test_stdout_on_a_full_device_is_one_error_line(model_dir):
 # -- stdin that is not text --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("line, message", [
-    (b"caf\xe9 au lait", "Error: stdin line 2 is not UTF-8 text (byte 0xe9 at offset 3): chat reads one message per "
-                         "line of text"),
-    (b"\x7fELF\x02\x01\x00\x00", "Error: stdin line 2 is not text (it holds a NUL byte): chat reads one message per "
-                                 "line of text"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            b"caf\xe9 au lait",
+            "Error: stdin line 2 is not UTF-8 text (byte 0xe9 at offset 3): chat reads one message per line of text",
+        ),
+        (
+            b"\x7fELF\x02\x01\x00\x00",
+            "Error: stdin line 2 is not text (it holds a NUL byte): chat reads one message per line of text",
+        ),
+    ],
+)
 def test_a_binary_line_on_stdin_is_one_error_line_and_exit_2(model_dir, line, message):
-    result = run_process(["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0],
-                         b"hello\n" + line + b"\nnever sent\n")
+    result = run_process(
+        ["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0], b"hello\n" + line + b"\nnever sent\n"
+    )
     err = result.stderr.decode()
     assert result.returncode == 2, err
     assert "Traceback" not in err
@@ -152,32 +174,46 @@ def test_a_message_that_is_not_valid_text_is_refused_and_changes_nothing(model, 
 
 def test_loading_a_session_with_another_cache_names_both(model_dir, tmp_path, monkeypatch):
     path = tmp_path / "sink.pt"
-    saved = run_chat(["--model", model_dir, "--policy", "sink", "--cache-size", 16, "--max-new-tokens", 2],
-                     f"hello\n/save {path}\n", monkeypatch)
+    saved = run_chat(
+        ["--model", model_dir, "--policy", "sink", "--cache-size", 16, "--max-new-tokens", 2],
+        f"hello\n/save {path}\n",
+        monkeypatch,
+    )
     assert saved.exit_code == 0, saved.output
-    notice = ("note: the loaded session keeps its own cache, sink(sinks=4, recent=12), instead of this chat's "
-              "h2o(heavy=16, recent=16) (--policy/--cache-size do not apply to a loaded session)")
-    on_the_command_line = run_chat(["--model", model_dir, "--cache-size", 32, "--max-new-tokens", 2, "--load", path],
-                                   "/stats\n", monkeypatch)
+    notice = (
+        "note: the loaded session keeps its own cache, sink(sinks=4, recent=12), instead of this chat's "
+        "h2o(heavy=16, recent=16) (--policy/--cache-size do not apply to a loaded session)"
+    )
+    on_the_command_line = run_chat(
+        ["--model", model_dir, "--cache-size", 32, "--max-new-tokens", 2, "--load", path], "/stats\n", monkeypatch
+    )
     assert on_the_command_line.exit_code == 0, on_the_command_line.output
     assert notice in on_the_command_line.stderr and "16/16" in on_the_command_line.stdout
-    in_the_chat = run_chat(["--model", model_dir, "--cache-size", 32, "--max-new-tokens", 2], f"/load {path}\n",
-                           monkeypatch)
+    in_the_chat = run_chat(
+        ["--model", model_dir, "--cache-size", 32, "--max-new-tokens", 2], f"/load {path}\n", monkeypatch
+    )
     assert in_the_chat.exit_code == 0 and notice in in_the_chat.stderr
-    same = run_chat(["--model", model_dir, "--policy", "sink", "--cache-size", 16, "--max-new-tokens", 2],
-                    f"/load {path}\n", monkeypatch)
+    same = run_chat(
+        ["--model", model_dir, "--policy", "sink", "--cache-size", 16, "--max-new-tokens", 2],
+        f"/load {path}\n",
+        monkeypatch,
+    )
     assert same.exit_code == 0 and "resumed the session" in same.stdout and "note: the loaded" not in same.stderr
 
 
 def test_a_system_prompt_longer_than_the_cache_is_warned_about(model_dir, monkeypatch):
     long = "You are a helpful AI assistant named SmolLM, trained by Hugging Face. " * 4
-    result = run_chat(["--model", model_dir, "--cache-size", 16, "--max-new-tokens", 2, "--system", long],
-                      "hello\n", monkeypatch)
+    result = run_chat(
+        ["--model", model_dir, "--cache-size", 16, "--max-new-tokens", 2, "--system", long], "hello\n", monkeypatch
+    )
     assert result.exit_code == 0, result.output
     assert "warning: the system prompt is " in result.stderr
     assert "tokens, more than the cache holds (16 entries): the model cannot see all of it" in result.stderr
-    short = run_chat(["--model", model_dir, "--cache-size", 16, "--max-new-tokens", 2, "--system", "Be brief."],
-                     "hello\n", monkeypatch)
+    short = run_chat(
+        ["--model", model_dir, "--cache-size", 16, "--max-new-tokens", 2, "--system", "Be brief."],
+        "hello\n",
+        monkeypatch,
+    )
     assert short.exit_code == 0 and "warning" not in short.stderr
 
 

@@ -15,10 +15,14 @@ import pytest
 from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, real_model_available  # noqa: F401
 
 
-@pytest.mark.parametrize("setting, written", [(None, "cache/chat_history"), ("mine/history", "mine/history"),
-                                              ("", None)], ids=["default", "H2O_STREAM_CHAT_HISTORY", "off"])
-def test_a_terminal_chat_keeps_its_history_in_the_cache_directory_unless_told_otherwise(setting, written, tmp_path,
-                                                                                         monkeypatch):
+@pytest.mark.parametrize(
+    "setting, written",
+    [(None, "cache/chat_history"), ("mine/history", "mine/history"), ("", None)],
+    ids=["default", "H2O_STREAM_CHAT_HISTORY", "off"],
+)
+def test_a_terminal_chat_keeps_its_history_in_the_cache_directory_unless_told_otherwise(
+    setting, written, tmp_path, monkeypatch
+):
     pytest.importorskip("readline")
     from h2o_stream.cli.repl import Repl
 
@@ -39,8 +43,9 @@ def test_a_terminal_chat_keeps_its_history_in_the_cache_directory_unless_told_ot
 
 def spawn(args, timeout=120):
     pexpect = pytest.importorskip("pexpect")
-    child = pexpect.spawn(sys.executable, main_command(*args)[1:], env=ONE_THREAD, encoding="utf-8",
-                          timeout=timeout, dimensions=(40, 200))
+    child = pexpect.spawn(
+        sys.executable, main_command(*args)[1:], env=ONE_THREAD, encoding="utf-8", timeout=timeout, dimensions=(40, 200)
+    )
     return child
 
 

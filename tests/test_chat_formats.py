@@ -31,15 +31,17 @@ def test_turn_pieces_are_the_tokens_of_the_full_rendering(template, system):
 
 def test_smollm2_turns_look_as_documented(tokenizer):
     fmt = chat_format(tokenizer, None)
-    assert tokenizer.decode(fmt.user_ids("hi", first=False)) == ("<|im_start|>user\nhi<|im_end|>\n"
-                                                                 "<|im_start|>assistant\n")
+    assert tokenizer.decode(fmt.user_ids("hi", first=False)) == (
+        "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert tokenizer.decode(fmt.closing_ids()) == "<|im_end|>\n"
     first = tokenizer.decode(fmt.user_ids("hi", first=True))
     assert first.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
     assert tokenizer.convert_tokens_to_ids("<|im_end|>") in fmt.stop_ids
     with_system = tokenizer.decode(chat_format(tokenizer, "Be brief.").user_ids("hi", first=True))
-    assert with_system == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
-                           "<|im_start|>assistant\n")
+    assert with_system == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_a_template_whose_end_of_turn_is_not_the_eos_stops_at_its_own_token():

@@ -51,17 +51,19 @@ def test_incremental_turns_give_the_reply_a_full_recompute_gives(tokenizer):
         history += fmt.user_ids(text, first=i == 0) + session.chat(text).token_ids + fmt.closing_ids()
     third = session.chat("the answer is four.")
     prompt = torch.tensor([history + fmt.user_ids("the answer is four.", first=False)])
-    expected = model.generate(prompt, max_new_tokens=8, do_sample=False, eos_token_id=sorted(fmt.stop_ids),
-                              pad_token_id=2)[0, prompt.shape[1]:].tolist()
-    assert third.token_ids == [t for t in expected if t not in fmt.stop_ids][:len(third.token_ids)]
+    expected = model.generate(
+        prompt, max_new_tokens=8, do_sample=False, eos_token_id=sorted(fmt.stop_ids), pad_token_id=2
+    )[0, prompt.shape[1] :].tolist()
+    assert third.token_ids == [t for t in expected if t not in fmt.stop_ids][: len(third.token_ids)]
     assert len(third.token_ids) == len([t for t in expected if t not in fmt.stop_ids])
 
 
 @pytest.mark.parametrize("policy", ["h2o", "sink", "window"])
 def test_cache_never_exceeds_the_budget_across_many_turns(model, tokenizer, policy):
     budget = 24
-    session = session_for(model, tokenizer, policy=policy, size=budget, temperature=1.0, max_new_tokens=10,
-                          chunk_size=8)
+    session = session_for(
+        model, tokenizer, policy=policy, size=budget, temperature=1.0, max_new_tokens=10, chunk_size=8
+    )
     log, hook = record_forwards(model)
     try:
         for turn in range(25):
@@ -142,8 +144,12 @@ def test_nothing_else_runs_while_a_reply_is_under_way(model, tokenizer, tmp_path
     session = session_for(model, tokenizer, temperature=1.0, max_new_tokens=50)
     stream = session.send("hello world")
     next(stream)
-    for action in (lambda: session.chat("again"), session.reset, lambda: session.save(tmp_path / "s.pt"),
-                   lambda: session.load(tmp_path / "s.pt")):
+    for action in (
+        lambda: session.chat("again"),
+        session.reset,
+        lambda: session.save(tmp_path / "s.pt"),
+        lambda: session.load(tmp_path / "s.pt"),
+    ):
         with pytest.raises(H2OStreamError, match="while a reply is being generated"):
             action()
     list(stream)

@@ -124,14 +124,19 @@ def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
     state["cache"]["layers"][1]["scores"][0, 0, 0] += 1
     body = io.BytesIO()
     torch.save(state, body)
-    header = data[:data.index(b"\n", len(MAGIC)) + 1]
+    header = data[: data.index(b"\n", len(MAGIC)) + 1]
     (tmp_path / "edited.pt").write_bytes(header + body.getvalue())  # edited without updating its checksum
     # a session as h2o-stream wrote it before verified files (format 1: a torch pickle with its own digest)
-    torch.save({"format": SESSION_FORMAT, "version": 1, **read_state(saved), "digest": "0" * 64},
-               tmp_path / "format-1.pt")
+    torch.save(
+        {"format": SESSION_FORMAT, "version": 1, **read_state(saved), "digest": "0" * 64}, tmp_path / "format-1.pt"
+    )
     write_verified(tmp_path / "checkpoint.pt", "h2o-stream perplexity checkpoint", 2, {"tokens": 10})
-    write_verified(tmp_path / "crafted.pt", SESSION_FORMAT, SESSION_VERSION,
-                   {**read_state(saved), "recent": RunsCode(tmp_path / "ran")})  # a valid header and digest
+    write_verified(
+        tmp_path / "crafted.pt",
+        SESSION_FORMAT,
+        SESSION_VERSION,
+        {**read_state(saved), "recent": RunsCode(tmp_path / "ran")},
+    )  # a valid header and digest
     return {
         "missing.pt": "no session file",
         "truncated.pt": "not a readable chat session",
@@ -151,8 +156,7 @@ def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
     }
 
 
-def test_load_refuses_missing_corrupt_and_foreign_files_and_leaves_the_session_alone(model, tokenizer, saved,
-                                                                                     tmp_path):
+def test_load_refuses_missing_corrupt_and_foreign_files_and_leaves_the_session_alone(model, tokenizer, saved, tmp_path):
     session = session_for(model, tokenizer, policy="sink", size=16)
     session.chat("what is two plus two?")
     before = session_state(session)
@@ -168,9 +172,11 @@ def test_load_refuses_missing_corrupt_and_foreign_files_and_leaves_the_session_a
 
 
 def test_load_refuses_another_models_session(tokenizer, saved):
-    for other, message in [(tiny_llama(len(tokenizer), seed=1), "another model"),  # same shape, other weights
-                           (tiny_llama(len(tokenizer), layers=3), "another model"),
-                           (tiny_llama(len(tokenizer), dtype=torch.bfloat16), "--dtype float32")]:
+    for other, message in [
+        (tiny_llama(len(tokenizer), seed=1), "another model"),  # same shape, other weights
+        (tiny_llama(len(tokenizer), layers=3), "another model"),
+        (tiny_llama(len(tokenizer), dtype=torch.bfloat16), "--dtype float32"),
+    ]:
         session = session_for(other, tokenizer)
         session.chat("hello")
         before = session_state(session)

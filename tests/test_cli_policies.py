@@ -24,8 +24,20 @@ ZOO = "tova,a2sf,h2o_sinks,sepllm,keydiff"
 
 @pytest.fixture
 def base(ppl_model_dir, tmp_path):
-    return ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 60,
-            "--chunk-size", 8, "--cache-size", 16, "--out", tmp_path / "out"]
+    return [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--tokens",
+        60,
+        "--chunk-size",
+        8,
+        "--cache-size",
+        16,
+        "--out",
+        tmp_path / "out",
+    ]
 
 
 def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_path, capsys):
@@ -58,14 +70,18 @@ def test_a_bad_setting_value_is_one_error_line(base, tmp_path, capsys):
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--kernel", 0, "kernel must be an odd whole number in (0, 4095], got 0"),
-    ("--kernel", 4, "kernel must be an odd whole number in (0, 4095], got 4"),
-    ("--beta", 0, "beta must be a whole number in (0, 1000], got 0"),
-])
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--kernel", 0, "kernel must be an odd whole number in (0, 4095], got 0"),
+        ("--kernel", 4, "kernel must be an odd whole number in (0, 4095], got 4"),
+        ("--beta", 0, "beta must be a whole number in (0, 1000], got 0"),
+    ],
+)
 def test_a_bad_snapkv_or_pyramid_setting_is_one_error_line(base, tmp_path, capsys, option, value, message):
-    assert message in ppl_error(capsys, *base, "--policy", "snapkv,pyramid" if option == "--kernel" else "pyramid",
-                                option, value)
+    assert message in ppl_error(
+        capsys, *base, "--policy", "snapkv,pyramid" if option == "--kernel" else "pyramid", option, value
+    )
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())
 
 
@@ -112,8 +128,21 @@ def test_chat_refuses_a_setting_its_policy_does_not_take(model_dir, capsys):
 def test_summarize_accepts_sepllm(model_dir, tmp_path):
     source = tmp_path / "doc.txt"
     source.write_text("hello world, what is two plus two? the answer is four. " * 8, encoding="utf-8")
-    args = [source, "--model", model_dir, "--threads", 1, "--policy", "sepllm", "--cache-size", 24,
-            "--chunk-size", 8, "--max-new-tokens", 3]
+    args = [
+        source,
+        "--model",
+        model_dir,
+        "--threads",
+        1,
+        "--policy",
+        "sepllm",
+        "--cache-size",
+        24,
+        "--chunk-size",
+        8,
+        "--max-new-tokens",
+        3,
+    ]
     result_ = CliRunner().invoke(summarize_command, [str(a) for a in args])
     assert result_.exit_code == 0, (result_.stdout, result_.stderr)
     assert "sepllm" in result_.stderr

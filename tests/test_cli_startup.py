@@ -19,8 +19,14 @@ def imported_modules(tmp_path, *args: str) -> tuple[subprocess.CompletedProcess,
     """Run `python -m h2o_stream ARGS` under -X importtime in an empty directory and environment of its own; its
     result and every module it imported."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
-    done = subprocess.run([sys.executable, "-X", "importtime", "-m", "h2o_stream", *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "h2o_stream", *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     modules = {line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
     return done, modules
 
@@ -29,21 +35,25 @@ def heavy_in(modules: set[str]) -> list[str]:
     return sorted(name for name in modules if name.split(".")[0] in HEAVY)
 
 
-@pytest.mark.parametrize("args, status, says", [
-    (["--help"], 0, "Commands:"),
-    (["ppl", "--help"], 0, "--cache-size"),
-    (["leaderboard", "--help"], 0, "--report-only"),
-    (["chat", "--help"], 0, "--system"),
-    (["summarize", "--help"], 0, "--strategy"),
-    (["serve", "--help"], 0, "--state-dir"),
-    (["--version"], 0, "version"),
-    (["ppl", "--bogus"], 2, "No such option '--bogus'"),
-    (["ppl", "--tokens", "many"], 2, "'many' is not a valid integer"),
-    (["ppl", "--policy", "h2o,lru"], 2, "unknown policy 'lru'"),
-    (["chat", "--policy", "lru"], 2, "unknown policy 'lru'"),
-    (["summarize"], 2, "Missing argument 'FILE'"),
-    (["no-such-command"], 2, "No such command"),
-], ids=lambda value: " ".join(value) if isinstance(value, list) else None)
+@pytest.mark.parametrize(
+    "args, status, says",
+    [
+        (["--help"], 0, "Commands:"),
+        (["ppl", "--help"], 0, "--cache-size"),
+        (["leaderboard", "--help"], 0, "--report-only"),
+        (["chat", "--help"], 0, "--system"),
+        (["summarize", "--help"], 0, "--strategy"),
+        (["serve", "--help"], 0, "--state-dir"),
+        (["--version"], 0, "version"),
+        (["ppl", "--bogus"], 2, "No such option '--bogus'"),
+        (["ppl", "--tokens", "many"], 2, "'many' is not a valid integer"),
+        (["ppl", "--policy", "h2o,lru"], 2, "unknown policy 'lru'"),
+        (["chat", "--policy", "lru"], 2, "unknown policy 'lru'"),
+        (["summarize"], 2, "Missing argument 'FILE'"),
+        (["no-such-command"], 2, "No such command"),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
 def test_help_and_usage_errors_load_no_heavy_library(tmp_path, args, status, says):
     done, modules = imported_modules(tmp_path, *args)
     assert done.returncode == status, done.stderr[-2000:]
@@ -55,8 +65,18 @@ def test_help_and_usage_errors_load_no_heavy_library(tmp_path, args, status, say
 
 def test_a_command_still_loads_torch_when_it_runs(tmp_path):
     """The measurement can fail: a command that runs (here: refused after its model is asked for) imports torch."""
-    done, modules = imported_modules(tmp_path, "ppl", "--model", str(tmp_path / "missing"), "--data", "sample",
-                                     "--tokens", "10", "--out", str(tmp_path / "out"))
+    done, modules = imported_modules(
+        tmp_path,
+        "ppl",
+        "--model",
+        str(tmp_path / "missing"),
+        "--data",
+        "sample",
+        "--tokens",
+        "10",
+        "--out",
+        str(tmp_path / "out"),
+    )
     assert done.returncode == 2, done.stderr[-2000:]
     assert "torch" in modules
 
@@ -77,8 +97,16 @@ def test_the_group_lists_every_command_with_its_first_paragraph_in_full(tmp_path
             assert " ".join(first.split()) in " ".join(section.split()), name
 
 
-@pytest.mark.parametrize("package", ["h2o_stream", "h2o_stream.engine", "h2o_stream.apps.perplexity",
-                                     "h2o_stream.apps.chat", "h2o_stream.apps.summarize"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "h2o_stream",
+        "h2o_stream.engine",
+        "h2o_stream.apps.perplexity",
+        "h2o_stream.apps.chat",
+        "h2o_stream.apps.summarize",
+    ],
+)
 def test_every_lazily_exported_name_resolves(package):
     module = importlib.import_module(package)
     for name in module.__all__:

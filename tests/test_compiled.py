@@ -64,7 +64,7 @@ def _decode(model, policy, ids, *, compiled, monkeypatch, rolling=True, forward=
     logits = []
     with torch.no_grad():
         for start in range(0, ids.shape[1], forward):
-            logits.append(model(ids[:, start:start + forward], cache=cache).logits[0])
+            logits.append(model(ids[:, start : start + forward], cache=cache).logits[0])
     return torch.cat(logits), cache
 
 
@@ -117,11 +117,13 @@ def test_a_scanned_exact_forward_is_one_compiled_call_per_layer(variant, rolling
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     ids = random_ids(10 * BUDGET, seed=3)
     policy = COMPILED[variant]()
-    mine, mine_cache = _decode(model, policy, ids, compiled=True, forward=forward, decide_every=1, rolling=rolling,
-                               monkeypatch=monkeypatch)
+    mine, mine_cache = _decode(
+        model, policy, ids, compiled=True, forward=forward, decide_every=1, rolling=rolling, monkeypatch=monkeypatch
+    )
     assert calls[0] == -(-ids.shape[1] // forward) * len(mine_cache.layers)
-    theirs, theirs_cache = _decode(model, policy, ids, compiled=False, forward=forward, decide_every=1,
-                                   rolling=rolling, monkeypatch=monkeypatch)
+    theirs, theirs_cache = _decode(
+        model, policy, ids, compiled=False, forward=forward, decide_every=1, rolling=rolling, monkeypatch=monkeypatch
+    )
     assert torch.allclose(mine, theirs, atol=2e-5, rtol=0)
     _same_caches(mine_cache, theirs_cache, atol=1e-5)
 
@@ -146,8 +148,18 @@ def test_one_call_of_many_steps_equals_many_calls_of_one_bit_for_bit(variant, ro
         for start in range(0, 40, steps):
             block = slice(start, start + steps)
             output, held, _, _ = compiled_module.exact_steps(
-                space, held, query[:, :, block], keys[:, :, block], values[:, :, block], tables, scaling=0.25,
-                seen=start, budget=BUDGET, rule=rule, layer_mean=layer_mean)
+                space,
+                held,
+                query[:, :, block],
+                keys[:, :, block],
+                values[:, :, block],
+                tables,
+                scaling=0.25,
+                seen=start,
+                budget=BUDGET,
+                rule=rule,
+                layer_mean=layer_mean,
+            )
             outputs.append(output)
         runs.append((torch.cat(outputs, dim=1), space.hand_out(held, rule.ranked)))
     (one_call, entries), (many_calls, their_entries) = runs
@@ -164,8 +176,11 @@ def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, que
     without rolling, one key in four faces the (large) queries and the others face away, so far that they receive
     exactly 0: their scores (and roco's means and variances) tie at 0, and more volatile slots than live keys spare
     tied entries too. The loop must drop the entry `keep` leaves out, of equal lowest the newest."""
-    policy = make_policy("roco", BUDGET, volatile=4, heavy=1, recent=3) if variant == "roco-volatile-4" \
+    policy = (
+        make_policy("roco", BUDGET, volatile=4, heavy=1, recent=3)
+        if variant == "roco-volatile-4"
         else COMPILED[variant]()
+    )
     roller = RopeRoller.for_model(tiny_model("llama", num_key_value_heads=2)) if queries != "deaf" else None
     generator = torch.Generator().manual_seed(19)
     steps = 6 * BUDGET
@@ -176,9 +191,15 @@ def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, que
         query = 80 * facing.expand(1, 4, steps, 16)
         keys = (torch.arange(BUDGET + steps) % 4 == 1).float().mul(2).sub(1)[None, None, :, None] * 8 * facing
         keys = keys.expand(1, 2, -1, -1)
-    held = {"keys": keys[:, :, :BUDGET], "values": values[:, :, :BUDGET], "seen": BUDGET, "evicted": 0,
-            "positions": torch.arange(BUDGET).expand(1, 2, BUDGET), "max_keys": BUDGET,
-            "scores": torch.zeros(1, 2, BUDGET, *policy.score_moments, dtype=torch.float64)}
+    held = {
+        "keys": keys[:, :, :BUDGET],
+        "values": values[:, :, :BUDGET],
+        "seen": BUDGET,
+        "evicted": 0,
+        "positions": torch.arange(BUDGET).expand(1, 2, BUDGET),
+        "max_keys": BUDGET,
+        "scores": torch.zeros(1, 2, BUDGET, *policy.score_moments, dtype=torch.float64),
+    }
     layers = [StreamingLayer(policy, roller) for _ in range(2)]
     for layer in layers:
         layer.load_state(dict(held))
@@ -187,8 +208,8 @@ def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, que
         outputs = []
         for layer, compiled in zip(layers, (True, False), strict=True):
             layer.scan, layer.compiled = [1], compiled
-            key, value = layer.update(keys[:, :, t:t + 1], values[:, :, t:t + 1])
-            outputs.append(streaming_attention_of(layer, query[:, :, t:t + 1], key, value))
+            key, value = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
+            outputs.append(streaming_attention_of(layer, query[:, :, t : t + 1], key, value))
         mine, theirs = layers
         assert torch.equal(mine.positions, theirs.positions), t
         assert torch.allclose(outputs[0], outputs[1], atol=1e-6)
@@ -210,11 +231,11 @@ def test_a_pending_cut_and_a_prompt_before_compiled_steps(calls, monkeypatch):
             with torch.no_grad():
                 logits.append(model(ids[:, :12], cache=prompt).logits[0])
                 for start in range(0, 16, 4):
-                    logits.append(model(ids[:, start:start + 4], cache=fair).logits[0])
+                    logits.append(model(ids[:, start : start + 4], cache=fair).logits[0])
                 assert fair.layers[0].cut_pending
                 for t in range(16, ids.shape[1]):
-                    logits.append(model(ids[:, t:t + 1], cache=fair).logits[0])
-                    logits.append(model(ids[:, t - 4:t - 3], cache=prompt).logits[0])
+                    logits.append(model(ids[:, t : t + 1], cache=fair).logits[0])
+                    logits.append(model(ids[:, t - 4 : t - 3], cache=prompt).logits[0])
             results.append((torch.cat(logits), fair, prompt))
         (mine, *mine_caches), (theirs, *theirs_caches) = results
         assert torch.allclose(mine, theirs, atol=2e-5, rtol=0)
@@ -232,12 +253,12 @@ def test_a_cache_loaded_from_a_snapshot_goes_on_as_the_original(calls):
     original, copy = StreamingCache(model, policy), StreamingCache(model, policy)
     with torch.no_grad():
         for t in range(3 * BUDGET):
-            model(ids[:, t:t + 1], cache=original)
-            model(ids[:, -1 - t:ids.shape[1] - t], cache=copy)  # different entries, its storage in use
+            model(ids[:, t : t + 1], cache=original)
+            model(ids[:, -1 - t : ids.shape[1] - t], cache=copy)  # different entries, its storage in use
         copy.load_state(original.state())
         for t in range(3 * BUDGET, ids.shape[1]):
-            mine = model(ids[:, t:t + 1], cache=original).logits
-            theirs = model(ids[:, t:t + 1], cache=copy).logits
+            mine = model(ids[:, t : t + 1], cache=original).logits
+            theirs = model(ids[:, t : t + 1], cache=copy).logits
             assert torch.equal(mine, theirs)
     _same_caches(original, copy, atol=0)
     assert calls[0] > 0
@@ -250,13 +271,13 @@ def test_a_deep_copy_goes_on_as_the_original(calls):
     ids = random_ids(6 * BUDGET, seed=3)
     reference, original = (StreamingCache(model, make_policy("h2o", BUDGET)) for _ in range(2))
     for t in range(3 * BUDGET):
-        model(ids[:, t:t + 1], cache=reference)
-        model(ids[:, t:t + 1], cache=original)
+        model(ids[:, t : t + 1], cache=reference)
+        model(ids[:, t : t + 1], cache=original)
     fork = copy.deepcopy(original)
     for t in range(3 * BUDGET, ids.shape[1]):
-        expected = model(ids[:, t:t + 1], cache=reference).logits
+        expected = model(ids[:, t : t + 1], cache=reference).logits
         for cache in (original, fork):
-            assert torch.equal(model(ids[:, t:t + 1], cache=cache).logits, expected)
+            assert torch.equal(model(ids[:, t : t + 1], cache=cache).logits, expected)
     for cache in (original, fork):
         _same_caches(cache, reference, atol=0)
     assert calls[0] > 0
@@ -270,8 +291,9 @@ def test_rows_of_one_forward_each_take_the_compiled_steps(calls, monkeypatch):
     rows = [StreamingCache(model, policy) for policy in policies]
     both = RowsCache(model, rows)
     with torch.no_grad():
-        batched = torch.cat([model(ids[:, t:t + 1].expand(2, -1), cache=both).logits for t in range(ids.shape[1])],
-                            dim=1)
+        batched = torch.cat(
+            [model(ids[:, t : t + 1].expand(2, -1), cache=both).logits for t in range(ids.shape[1])], dim=1
+        )
     for i, policy in enumerate(policies):
         alone, alone_cache = _decode(model, policy, ids, compiled=False, monkeypatch=monkeypatch)
         assert torch.allclose(batched[i], alone, atol=2e-5, rtol=0)
@@ -293,7 +315,7 @@ def test_forwards_that_are_not_exact_steps_stay_on_the_tensor_operations(case, c
     with torch.set_grad_enabled(case == "gradients"):
         for cache in caches:
             for start in range(0, ids.shape[1], 4 if case == "chunk" else 1):
-                model(ids[:, start:start + (4 if case == "chunk" else 1)], cache=cache)
+                model(ids[:, start : start + (4 if case == "chunk" else 1)], cache=cache)
             assert cache.evicted > 0
     assert calls[0] == 0
 
@@ -320,7 +342,7 @@ def test_a_declared_cut_drops_what_keep_drops(variant):
                     age = [positions[b, h, -1].item() - positions[b, h, j].item() + 1 for j in range(n)]
                     mean = [ranks[j][0] / age[j] for j in range(n)]
                     variance = [ranks[j][1] / age[j] - mean[j] ** 2 for j in range(n)]
-                    spared = sorted(candidates, key=lambda j: (-variance[j], j))[:rule.volatile]
+                    spared = sorted(candidates, key=lambda j: (-variance[j], j))[: rule.volatile]
                     candidates = [j for j in candidates if j not in spared]
                     ranks = mean
                 if rule.ranked:

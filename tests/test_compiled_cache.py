@@ -27,8 +27,9 @@ print(repr(float(logits.double().sum())))
 
 def run_probe(cache_dir: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "NUMBA_CACHE_DIR": str(cache_dir), "H2O_STREAM_COMPILED": "1"}
-    return subprocess.run([sys.executable, "-c", PROBE.format(tests=str(TESTS))], env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-c", PROBE.format(tests=str(TESTS))], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def damage(path: Path, how: str) -> None:
@@ -51,8 +52,7 @@ def good_cache(tmp_path_factory):
     return cache_dir, first.stdout.strip()
 
 
-@pytest.mark.parametrize("target, how", [("nbi", "garbage"), ("nbi", "emptied"),
-                                         ("nbc", "flipped")])
+@pytest.mark.parametrize("target, how", [("nbi", "garbage"), ("nbi", "emptied"), ("nbc", "flipped")])
 def test_a_damaged_cache_is_cleared_and_the_loop_compiled_afresh(good_cache, tmp_path, target, how):
     source, expected = good_cache
     cache_dir = tmp_path / "numba"

@@ -44,10 +44,13 @@ def first_error(source) -> str:
 
 
 def test_jsonl_with_pg19_columns(tmp_path):
-    path = write_jsonl(tmp_path / "pg.jsonl", [
-        {"short_book_title": "Moby Dick", "publication_date": 1851, "url": "u1", "text": "Call me Ishmael.\n"},
-        {"short_book_title": "Dracula", "publication_date": 1897, "url": "u2", "text": "3 May. Bistritz."},
-    ])
+    path = write_jsonl(
+        tmp_path / "pg.jsonl",
+        [
+            {"short_book_title": "Moby Dick", "publication_date": 1851, "url": "u1", "text": "Call me Ishmael.\n"},
+            {"short_book_title": "Dracula", "publication_date": 1897, "url": "u2", "text": "3 May. Bistritz."},
+        ],
+    )
     assert books(path) == [("Moby Dick", "Call me Ishmael.\n"), ("Dracula", "3 May. Bistritz.")]
     assert describe_source(path) == "pg.jsonl (local jsonl)"
 
@@ -84,11 +87,13 @@ def test_parquet_round_trip(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    table = pa.table({
-        "short_book_title": ["A", None, "C"],
-        "publication_date": [1900, 1901, 1902],
-        "text": ["alpha", "beta", "gamma"],
-    })
+    table = pa.table(
+        {
+            "short_book_title": ["A", None, "C"],
+            "publication_date": [1900, 1901, 1902],
+            "text": ["alpha", "beta", "gamma"],
+        }
+    )
     path = tmp_path / "books.parquet"
     pq.write_table(table, path, row_group_size=2)  # two row groups
     assert pq.ParquetFile(path).num_row_groups == 2
@@ -141,10 +146,16 @@ def test_missing_path():
     assert message.startswith("no such file or directory: /nonexistent/corpus.jsonl")
 
 
-@pytest.mark.parametrize("name, content", [
-    ("empty.txt", b""), ("empty.jsonl", b""), ("empty.parquet", b""),
-    ("blank.txt", b"  \n\t\n"), ("blank.jsonl", b"\n \n"),
-])
+@pytest.mark.parametrize(
+    "name, content",
+    [
+        ("empty.txt", b""),
+        ("empty.jsonl", b""),
+        ("empty.parquet", b""),
+        ("blank.txt", b"  \n\t\n"),
+        ("blank.jsonl", b"\n \n"),
+    ],
+)
 def test_empty_or_whitespace_only(tmp_path, name, content):
     path = tmp_path / name
     path.write_bytes(content)
@@ -244,8 +255,11 @@ def test_damaged_gzip_gives_one_clear_error(tmp_path):
 
 # --- one book of a corpus ----------------------------------------------------------------------------
 
-BOOKS = [{"short_book_title": "Moby Dick", "text": "Call me Ishmael."}, {"short_book_title": "Emma", "text": "E."},
-         {"short_book_title": "Emma Returns", "text": "Again."}]
+BOOKS = [
+    {"short_book_title": "Moby Dick", "text": "Call me Ishmael."},
+    {"short_book_title": "Emma", "text": "E."},
+    {"short_book_title": "Emma Returns", "text": "Again."},
+]
 
 
 def test_read_book_by_index_or_title(tmp_path):
@@ -259,12 +273,16 @@ def test_read_book_by_index_or_title(tmp_path):
     assert read_book(single) == (0, Book("one", "Only book."))
 
 
-@pytest.mark.parametrize("book, message", [
-    (None, r"holds 3 books: choose one by index or title .*0: 'Moby Dick', 1: 'Emma'"),
-    ("Ulysses", r"no book 'Ulysses' in .*b\.jsonl \(3 books, indices 0-2\)"),
-    (3, r"no book 3 in"), (-1, r"no book -1 in"),
-    ("mm", r"book 'mm' matches 2 titles \('Emma', 'Emma Returns'\): be more specific"),
-])
+@pytest.mark.parametrize(
+    "book, message",
+    [
+        (None, r"holds 3 books: choose one by index or title .*0: 'Moby Dick', 1: 'Emma'"),
+        ("Ulysses", r"no book 'Ulysses' in .*b\.jsonl \(3 books, indices 0-2\)"),
+        (3, r"no book 3 in"),
+        (-1, r"no book -1 in"),
+        ("mm", r"book 'mm' matches 2 titles \('Emma', 'Emma Returns'\): be more specific"),
+    ],
+)
 def test_read_book_refuses_an_unclear_choice(tmp_path, book, message):
     path = write_jsonl(tmp_path / "b.jsonl", BOOKS)
     with pytest.raises(H2OStreamError, match=message):
@@ -272,8 +290,9 @@ def test_read_book_refuses_an_unclear_choice(tmp_path, book, message):
 
 
 def test_read_book_refuses_an_empty_book(tmp_path):
-    path = write_jsonl(tmp_path / "z.jsonl", [{"short_book_title": "Z", "text": "  "},
-                                              {"short_book_title": "A", "text": "a book"}])
+    path = write_jsonl(
+        tmp_path / "z.jsonl", [{"short_book_title": "Z", "text": "  "}, {"short_book_title": "A", "text": "a book"}]
+    )
     with pytest.raises(H2OStreamError, match=r"book 0 \('Z'\) of .*z\.jsonl is empty"):
         read_book(path, "Z")
 
@@ -288,7 +307,6 @@ def hub_reachable(monkeypatch):
     from h2o_stream.loading import sources
 
     monkeypatch.setattr(sources, "hub_unreachable", lambda: None)
-
 
 
 def test_hub_unreachable_says_to_pass_data(monkeypatch, hub_reachable):

@@ -20,7 +20,7 @@ def test_every_policy_streams_a_half_precision_model_with_scores_in_float64(dtyp
     logits = {}
     for name, m in (("float32", reference), ("half", model)):
         cache = StreamingCache(m, build(policy, 16))
-        logits[name] = torch.cat([m(ids[:, s:s + chunk], cache=cache).logits[0].float() for s in range(0, 96, chunk)])
+        logits[name] = torch.cat([m(ids[:, s : s + chunk], cache=cache).logits[0].float() for s in range(0, 96, chunk)])
         layer = cache.layers[0]
         assert layer.keys.dtype == m.dtype
         if cache.policy.needs_scores:

@@ -15,7 +15,7 @@ from tiny_models import FAMILIES, random_ids, tiny_model
 
 
 def stream_logits(model, cache, ids, chunk=1):
-    return torch.cat([model(ids[:, i:i + chunk], cache=cache).logits[0] for i in range(0, ids.shape[1], chunk)])
+    return torch.cat([model(ids[:, i : i + chunk], cache=cache).logits[0] for i in range(0, ids.shape[1], chunk)])
 
 
 #: families whose every layer slides (a window shorter than the streams here): each layer runs the policy capped at
@@ -23,9 +23,16 @@ def stream_logits(model, cache, ids, chunk=1):
 EVERY_LAYER_SLIDES = {"mistral_sliding"}
 
 
-@pytest.mark.parametrize("family, policy", [(family, policy) for family in sorted(FAMILIES) for policy in ALL
-                                            if (family not in EVERY_LAYER_SLIDES or policy in ("full", "window"))
-                                            and POLICIES[policy].layer_schedule is None])  # (its budget is a mean)
+@pytest.mark.parametrize(
+    "family, policy",
+    [
+        (family, policy)
+        for family in sorted(FAMILIES)
+        for policy in ALL
+        if (family not in EVERY_LAYER_SLIDES or policy in ("full", "window"))
+        and POLICIES[policy].layer_schedule is None
+    ],
+)  # (its budget is a mean)
 def test_budget_covering_stream_reproduces_plain_forward(family, policy):
     model = tiny_model(family)
     ids = random_ids(48)
@@ -63,8 +70,9 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
         kept = [tuple(layer.positions[0, h].tolist()) for layer in cache.layers for h in range(kv_heads)]
         assert len(set(kept)) > 1
     if spec.score_heads == "layer":
-        assert all(torch.equal(layer.positions[:, :1].expand_as(layer.positions), layer.positions)
-                   for layer in cache.layers)
+        assert all(
+            torch.equal(layer.positions[:, :1].expand_as(layer.positions), layer.positions) for layer in cache.layers
+        )
 
 
 @pytest.mark.parametrize("policy", [name for name in EVICTING if POLICIES[name].layer_schedule is None])
@@ -74,7 +82,7 @@ def test_cache_tensors_stop_growing_at_the_budget(policy):  # pyramid's per laye
     ids = random_ids(60)
     shapes = []
     for t in range(ids.shape[1]):
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
         layer = cache.layers[0]
         scores = None if layer.scores is None else layer.scores.shape  # a policy without scores carries none
         shapes.append((layer.keys.shape, layer.values.shape, layer.positions.shape, scores))
@@ -111,7 +119,8 @@ def test_rolling_keeps_positions_inside_the_cache():
     cache = StreamingCache(model, make_policy("sink", 32))
     seen_positions = []
     hook = model.model.register_forward_pre_hook(
-        lambda m, a, kw: seen_positions.append(int(kw["position_ids"].max())), with_kwargs=True)
+        lambda m, a, kw: seen_positions.append(int(kw["position_ids"].max())), with_kwargs=True
+    )
     try:
         stream_logits(model, cache, random_ids(200))
     finally:
@@ -131,8 +140,10 @@ def test_an_attached_model_still_runs_plain_caches():
 def _inference_mode_per_layer(model) -> tuple[list[bool], object]:
     """Whether each decoder layer ran under inference mode (a list filled as the model runs), and the hook handles."""
     seen = []
-    handles = [layer.register_forward_hook(lambda m, a, out: seen.append(torch.is_inference_mode_enabled()))
-               for layer in model.model.layers]
+    handles = [
+        layer.register_forward_hook(lambda m, a, out: seen.append(torch.is_inference_mode_enabled()))
+        for layer in model.model.layers
+    ]
     return seen, handles
 
 
@@ -142,7 +153,7 @@ def test_a_forward_with_gradients_off_runs_in_inference_mode_and_returns_ordinar
     seen, handles = _inference_mode_per_layer(model)
     try:
         for i in range(12):  # past the budget: cuts and in-place score updates included
-            logits = model(random_ids(12)[:, i:i + 1], cache=cache).logits
+            logits = model(random_ids(12)[:, i : i + 1], cache=cache).logits
         with torch.enable_grad():  # gradients on: no inference mode
             model(random_ids(13)[:, 12:], cache=cache)
     finally:
@@ -157,12 +168,15 @@ def test_a_forward_with_gradients_off_runs_in_inference_mode_and_returns_ordinar
 
 
 @pytest.mark.parametrize("policy", EVICTING)
-@pytest.mark.parametrize("chunk, decide_every, rolling", [(1, None, True), (4, None, True), (12, 4, True),
-                                                          (4, None, False)],
-                         ids=["exact", "chunked", "scanned", "chunked-no-rolling"])
+@pytest.mark.parametrize(
+    "chunk, decide_every, rolling",
+    [(1, None, True), (4, None, True), (12, 4, True), (4, None, False)],
+    ids=["exact", "chunked", "scanned", "chunked-no-rolling"],
+)
 @pytest.mark.parametrize("compiled", [False, True], ids=["tensor-ops", "compiled"])
-def test_a_cache_goes_on_alike_through_forwards_with_gradients_on_and_off(policy, chunk, decide_every, rolling,
-                                                                         compiled, monkeypatch):
+def test_a_cache_goes_on_alike_through_forwards_with_gradients_on_and_off(
+    policy, chunk, decide_every, rolling, compiled, monkeypatch
+):
     """A forward with gradients on (a model whose weights require grad) after ones with them off (inference mode)
     may use everything the engine kept (memoised masks, tables, rows, the compiled loop's storage, and its scores),
     and the stream goes on as if every forward had had gradients off: bit for bit on the tensor operations; with the
@@ -173,6 +187,7 @@ def test_a_cache_goes_on_alike_through_forwards_with_gradients_on_and_off(policy
 
     def cache():
         return StreamingCache(model, build(policy, 12), rolling=rolling, decide_every=decide_every)
+
     reference = stream_logits(model, cache(), ids, chunk)
     mixed = cache()
     pieces = [stream_logits(model, mixed, ids[:, :24], chunk)]
@@ -195,6 +210,7 @@ def test_a_refused_or_failing_forward_leaves_inference_mode():
 
     def fail(module, args, output):
         raise RuntimeError("layer failed")
+
     handle = model.model.layers[0].register_forward_hook(fail)
     try:
         with pytest.raises(RuntimeError, match="layer failed"):

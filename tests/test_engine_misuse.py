@@ -43,6 +43,7 @@ def refused(call, match: str):
 
 # -- chunked h2o with a chunk wider than the cache ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("policy", UNIFORM_SCORED)
 def test_a_scored_cache_refuses_a_chunk_wider_than_itself_on_top_of_entries(policy):
     model = tiny_model("llama")
@@ -88,8 +89,13 @@ def test_feed_keeps_chunks_within_what_a_scored_cache_takes():
     model = tiny_model("llama", init_std=0.2)
     ids = random_ids(30)
     sizes = []
-    logits = feed(model, StreamingCache(model, make_policy("h2o", 4)), ids, 16,
-                  on_chunk=lambda piece, _: sizes.append(piece.shape[-1]))
+    logits = feed(
+        model,
+        StreamingCache(model, make_policy("h2o", 4)),
+        ids,
+        16,
+        on_chunk=lambda piece, _: sizes.append(piece.shape[-1]),
+    )
     assert sizes == [16, 4, 4, 4, 2]  # a wide first prompt chunk, then at most the cache
     cache = StreamingCache(model, make_policy("h2o", 4))
     for start, stop in [(0, 16), (16, 20), (20, 24), (24, 28), (28, 30)]:
@@ -98,6 +104,7 @@ def test_feed_keeps_chunks_within_what_a_scored_cache_takes():
 
 
 # -- padded batches ----------------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("chunk", [1, 5], ids=["exact", "chunked"])
 @pytest.mark.parametrize("policy", ALL)
@@ -109,7 +116,7 @@ def test_padded_batches_are_refused(policy, chunk):
     before = snapshot(cache)
     mask = torch.ones(2, 6 + chunk, dtype=torch.long)
     mask[1, :3] = 0  # row 1 was left-padded
-    refused(lambda: model(ids[:, 6:6 + chunk], attention_mask=mask, cache=cache), "padded batches are not supported")
+    refused(lambda: model(ids[:, 6 : 6 + chunk], attention_mask=mask, cache=cache), "padded batches are not supported")
     assert_untouched(cache, before)
 
 
@@ -118,8 +125,16 @@ def test_generate_with_a_left_padded_batch_is_refused():
     ids = torch.cat([random_ids(10, seed=s) for s in (1, 2)])
     mask = torch.ones_like(ids)
     mask[0, :4] = 0
-    refused(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
-                                   cache=StreamingCache(model, make_policy("h2o", 8))), "padded batches")
+    refused(
+        lambda: model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=3,
+            do_sample=False,
+            cache=StreamingCache(model, make_policy("h2o", 8)),
+        ),
+        "padded batches",
+    )
 
 
 @pytest.mark.parametrize("policy", EVICTING)
@@ -128,8 +143,8 @@ def test_a_mask_of_ones_changes_nothing_and_other_masks_are_refused(policy):
     ids = torch.cat([random_ids(20, seed=s) for s in (1, 2)])
     plain, masked = StreamingCache(model, build(policy, 8)), StreamingCache(model, build(policy, 8))
     for start in range(0, 20, 5):
-        expected = model(ids[:, start:start + 5], cache=plain).logits
-        got = model(ids[:, start:start + 5], attention_mask=torch.ones(2, start + 5), cache=masked).logits
+        expected = model(ids[:, start : start + 5], cache=plain).logits
+        got = model(ids[:, start : start + 5], attention_mask=torch.ones(2, start + 5), cache=masked).logits
         assert torch.equal(got, expected)
     causal = torch.ones(2, 1, 5, 25, dtype=torch.bool)
     refused(lambda: model(ids[:, :5], attention_mask=causal, cache=masked), "builds the attention mask itself")
@@ -137,8 +152,12 @@ def test_a_mask_of_ones_changes_nothing_and_other_masks_are_refused(policy):
 
 # -- API misuse --------------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("other", [dict(num_hidden_layers=3), dict(num_key_value_heads=1), dict(head_dim=8),
-                                   dict(seed=1)], ids=["layers", "kv-heads", "head-dim", "same-shape"])
+
+@pytest.mark.parametrize(
+    "other",
+    [dict(num_hidden_layers=3), dict(num_key_value_heads=1), dict(head_dim=8), dict(seed=1)],
+    ids=["layers", "kv-heads", "head-dim", "same-shape"],
+)
 @pytest.mark.parametrize("attached", [False, True], ids=["plain", "attached"])
 def test_a_cache_refuses_a_model_it_was_not_made_for(other, attached):
     model, stranger = tiny_model("llama"), tiny_model("llama", **other)
@@ -173,7 +192,7 @@ def test_generate_twice_with_the_same_prompt_is_refused(new_tokens):
     assert_untouched(cache, before)
     # continuing with the whole sequence so far is what generate supports, and still works
     longer = model.generate(first, max_new_tokens=5, do_sample=False, cache=cache)
-    assert torch.equal(longer[:, :first.shape[1]], first) and cache.seen == longer.shape[1] - 1
+    assert torch.equal(longer[:, : first.shape[1]], first) and cache.seen == longer.shape[1] - 1
 
 
 def test_a_batch_size_change_is_refused_until_reset():
@@ -190,9 +209,11 @@ def test_a_batch_size_change_is_refused_until_reset():
 
 # -- no rolling past the model's positions -----------------------------------------------------------------------------
 
+
 def tiny_gpt2(positions: int):
-    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=positions, n_embd=32, n_layer=2, n_head=2,
-                                     bos_token_id=0, eos_token_id=1)
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=positions, n_embd=32, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=1
+    )
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config).eval()
 
@@ -203,7 +224,7 @@ def test_without_rolling_a_stream_past_the_context_is_refused_before_the_model_r
     ids = random_ids(20)
     cache = StreamingCache(model, make_policy("h2o", 4), rolling=False)
     for t in range(16):  # exactly the context fits
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
     before = snapshot(cache)
     message = refused(lambda: model(ids[:, 16:17], cache=cache), "16 tokens fit in all and 0 more")
     assert "rolling" in message
@@ -220,5 +241,5 @@ def test_with_rolling_the_same_model_streams_past_its_context():
     cache = StreamingCache(model, make_policy("h2o", 4))
     cache.check_fits(10_000)
     for start in range(0, 40, 4):
-        model(random_ids(40)[:, start:start + 4], cache=cache)
+        model(random_ids(40)[:, start : start + 4], cache=cache)
     assert cache.seen == 40

@@ -30,8 +30,10 @@ def shape(value, free: frozenset = frozenset()):
     key in `free` is keyed by what was measured (contenders, thread counts): there only the shapes of its values
     count."""
     if isinstance(value, dict):
-        return {key: (_free(item, free) if key in free and isinstance(item, dict) else shape(item, free))
-                for key, item in value.items()}
+        return {
+            key: (_free(item, free) if key in free and isinstance(item, dict) else shape(item, free))
+            for key, item in value.items()
+        }
     return "list" if isinstance(value, list) else "scalar"
 
 
@@ -91,27 +93,79 @@ def test_alternate_rotates_the_order_and_sums_each_round():
 
 
 def test_speed_decode_writes_the_committed_schema(tiny, tmp_path):
-    suite("speed", "decode", "--model", tiny, "--cache-size", "64", "--rounds", "2", "--block", "2", "--threads", "1,2",
-          "--out-dir", str(tmp_path))
+    suite(
+        "speed",
+        "decode",
+        "--model",
+        tiny,
+        "--cache-size",
+        "64",
+        "--rounds",
+        "2",
+        "--block",
+        "2",
+        "--threads",
+        "1,2",
+        "--out-dir",
+        str(tmp_path),
+    )
     for name in ("decode_1thread.json", "decode_2threads.json"):
         assert shape(written_json(tmp_path / name)) == shape(committed(f"speed/{name}"))
         assert (tmp_path / name).with_suffix(".png").is_file()
 
 
 def test_speed_scan_writes_the_committed_schema(tiny, tmp_path):
-    suite("speed", "scan", "--model", tiny, "--cache-size", "64", "--span", "32", "--rounds", "1", "--tokens", "16",
-          "--step-tokens", "2", "--out-dir", str(tmp_path))
+    suite(
+        "speed",
+        "scan",
+        "--model",
+        tiny,
+        "--cache-size",
+        "64",
+        "--span",
+        "32",
+        "--rounds",
+        "1",
+        "--tokens",
+        "16",
+        "--step-tokens",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    )
     # its contenders follow each policy's default chunk (roco's was 8 when the committed file was measured)
-    free = frozenset({"threads", "tokens_per_second", "seconds_per_token_per_round", "vs_raw_forward",
-                      "vs_raw_decode_step", "vs_raw_decode_step_in_inference_mode"})
+    free = frozenset(
+        {
+            "threads",
+            "tokens_per_second",
+            "seconds_per_token_per_round",
+            "vs_raw_forward",
+            "vs_raw_decode_step",
+            "vs_raw_decode_step_in_inference_mode",
+        }
+    )
     written = written_json(tmp_path / "exact_scan.json")
     assert shape(written, free) == shape(committed("speed/exact_scan.json"), free)
     assert written["threads"].keys() == {"1", "2"}
 
 
 def test_speed_fair_writes_the_committed_schemas(tiny, tmp_path):
-    suite("speed", "fair", "--model", tiny, "--cache-size", "64", "--rounds", "1", "--round-tokens", "32",
-          "--exact-round-tokens", "2", "--out-dir", str(tmp_path))
+    suite(
+        "speed",
+        "fair",
+        "--model",
+        tiny,
+        "--cache-size",
+        "64",
+        "--rounds",
+        "1",
+        "--round-tokens",
+        "32",
+        "--exact-round-tokens",
+        "2",
+        "--out-dir",
+        str(tmp_path),
+    )
     for name in ("fair_chunks_chunked.json", "fair_chunks_exact.json"):
         written = written_json(tmp_path / name)
         assert shape(written) == shape(committed(f"speed/{name}"))
@@ -133,13 +187,22 @@ def test_speed_startup_times_the_three_commands(tmp_path):
     assert all(row["max_seconds"] >= row["median_seconds"] > 0 for row in written["commands"].values())
 
 
-@pytest.mark.parametrize("name, runs", [("gap.json", "runs"), ("gap_h2o_60k.json", "runs/h2o-60k"),
-                                        ("gap_tova_60k.json", "runs/tova-60k")])
+@pytest.mark.parametrize(
+    "name, runs", [("gap.json", "runs"), ("gap_h2o_60k.json", "runs/h2o-60k"), ("gap_tova_60k.json", "runs/tova-60k")]
+)
 def test_quality_gap_regenerates_the_committed_gaps_from_the_runs(tmp_path, name, runs):
     out = tmp_path / name
     folder = RESULTS / "quality" / runs
-    suite("quality", "gap", "--exact-dir", str(folder / "exact"), "--chunked-dir", str(folder / "chunked"), "--out",
-          str(out))
+    suite(
+        "quality",
+        "gap",
+        "--exact-dir",
+        str(folder / "exact"),
+        "--chunked-dir",
+        str(folder / "chunked"),
+        "--out",
+        str(out),
+    )
     written, kept = written_json(out), committed(f"quality/{name}")
     assert written["gap"] == kept["gap"]
     assert shape(written) == shape(kept)
@@ -174,13 +237,29 @@ def test_the_run_commands_are_printed_with_dry_run(capsys):
         "--resume --out eval/results/long_4m",
         "h2o-stream ppl --data books.jsonl --policy tova --exact --tokens 60000 --cache-size 256 --threads 1 --resume "
         "--out eval/results/quality/runs/tova-60k/exact",
-        "h2o-stream leaderboard --data books.jsonl --tokens 250000 --workers 2 --out eval/results/leaderboard"]
+        "h2o-stream leaderboard --data books.jsonl --tokens 250000 --workers 2 --out eval/results/leaderboard",
+    ]
 
 
 def test_needle_keeps_its_schema(model_dir, tmp_path):
     out = tmp_path / "needle"
-    suite("needle", "--model", str(model_dir), "--cache-size", "96", "--lengths", "256", "--depths", "0,1",
-          "--trials", "1", "--policies", "sink,truncation", "--out", str(out))
+    suite(
+        "needle",
+        "--model",
+        str(model_dir),
+        "--cache-size",
+        "96",
+        "--lengths",
+        "256",
+        "--depths",
+        "0,1",
+        "--trials",
+        "1",
+        "--policies",
+        "sink,truncation",
+        "--out",
+        str(out),
+    )
     written, kept = written_json(out.with_suffix(".json")), committed("needle/policies.json")
     assert written.keys() == kept.keys()
     assert written["settings"].keys() == kept["settings"].keys()
@@ -190,24 +269,68 @@ def test_needle_keeps_its_schema(model_dir, tmp_path):
 
 
 def test_soak_chat_and_defaults_keep_their_schemas(model_dir, tmp_path):
-    suite("soak", "chat", "--model", str(model_dir), "--turns", "11", "--min-tokens", "0", "--max-new-tokens", "2",
-          "--books", "1", "--threads", "1", "--out", str(tmp_path / "chat_soak.json"))
+    suite(
+        "soak",
+        "chat",
+        "--model",
+        str(model_dir),
+        "--turns",
+        "11",
+        "--min-tokens",
+        "0",
+        "--max-new-tokens",
+        "2",
+        "--books",
+        "1",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "chat_soak.json"),
+    )
     written, kept = written_json(tmp_path / "chat_soak.json"), committed("soak/chat_soak.json")
     assert written["summary"].keys() == kept["summary"].keys()
     assert written["series"].keys() == kept["series"].keys()
     assert written["settings"]["data"]["name"] == "sample"
-    suite("soak", "defaults", "--model", str(model_dir), "--books", "Pride and Prejudice", "--chars", "2000",
-          "--max-new-tokens", "4", "--chat-turns", "1", "--out", str(tmp_path / "generation_defaults.json"))
+    suite(
+        "soak",
+        "defaults",
+        "--model",
+        str(model_dir),
+        "--books",
+        "Pride and Prejudice",
+        "--chars",
+        "2000",
+        "--max-new-tokens",
+        "4",
+        "--chat-turns",
+        "1",
+        "--out",
+        str(tmp_path / "generation_defaults.json"),
+    )
     written = written_json(tmp_path / "generation_defaults.json")
     kept = committed("soak/generation_defaults.json")
     assert written.keys() == kept.keys() and written["settings"].keys() == kept["settings"].keys()
     assert shape(written["summaries"][0]) == shape(kept["summaries"][0])
 
 
-
 def test_serve_load_keeps_its_schema_and_refuses_a_memory_bound_that_bounds_nothing(model_dir, tmp_path):
-    suite("serve", "--model", str(model_dir), "--conversations", "2", "--turns", "2", "--in-memory", "1",
-          "--max-tokens", "2", "--threads", "1", "--out", str(tmp_path / "load.json"))
+    suite(
+        "serve",
+        "--model",
+        str(model_dir),
+        "--conversations",
+        "2",
+        "--turns",
+        "2",
+        "--in-memory",
+        "1",
+        "--max-tokens",
+        "2",
+        "--threads",
+        "1",
+        "--out",
+        str(tmp_path / "load.json"),
+    )
     written, kept = written_json(tmp_path / "load.json"), committed("serve/load.json")
     assert shape(written, frozenset({"passed"})).keys() == shape(kept).keys()
     assert written["settings"].keys() == kept["settings"].keys() and written["rss"].keys() == kept["rss"].keys()
@@ -218,13 +341,17 @@ def test_serve_load_keeps_its_schema_and_refuses_a_memory_bound_that_bounds_noth
         main(["serve", "--conversations", "4", "--in-memory", "4", "--out", str(tmp_path / "no.json")])
     assert done.value.code == 2 and not (tmp_path / "no.json").exists()
 
+
 def test_no_committed_result_records_an_absolute_path_or_one_outside_the_repository():
     hits = []
     for path in sorted(RESULTS.rglob("*.json")):
         if any(path.relative_to(RESULTS).as_posix().startswith(folder + "/") for folder in RUN_FILES):
             continue
-        hits += [f"{path.relative_to(RESULTS)}: {s[:120]}" for s in strings(json.loads(path.read_text()))
-                 if ABSOLUTE.search(s) or "../" in s]
+        hits += [
+            f"{path.relative_to(RESULTS)}: {s[:120]}"
+            for s in strings(json.loads(path.read_text()))
+            if ABSOLUTE.search(s) or "../" in s
+        ]
     assert not hits, "\n".join(hits)
 
 
@@ -239,8 +366,7 @@ def test_a_command_line_records_the_corpus_by_name_and_paths_relative(tmp_path):
 
 
 def test_device_check_runs_as_a_script():
-    done = subprocess.run([sys.executable, "eval/device_check.py", "--help"], cwd=REPO, capture_output=True,
-                          text=True)
+    done = subprocess.run([sys.executable, "eval/device_check.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--device" in done.stdout
 
@@ -249,16 +375,39 @@ def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit) as done:
-        main(["quality", "gap", "--exact-dir", str(empty), "--chunked-dir", str(empty), "--out",
-              str(tmp_path / "gap.json")])
+        main(
+            [
+                "quality",
+                "gap",
+                "--exact-dir",
+                str(empty),
+                "--chunked-dir",
+                str(empty),
+                "--out",
+                str(tmp_path / "gap.json"),
+            ]
+        )
     assert done.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"Error: no policy has a run in both {empty} and {empty}"]
     assert not (tmp_path / "gap.json").exists()
 
 
 def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too_short(tiny, tmp_path):
-    suite("attention", "--model", tiny, "--windows", "2", "--length", "40", "--sinks", "2", "--recent", "8",
-          "--out", str(tmp_path / "att"))
+    suite(
+        "attention",
+        "--model",
+        tiny,
+        "--windows",
+        "2",
+        "--length",
+        "40",
+        "--sinks",
+        "2",
+        "--recent",
+        "8",
+        "--out",
+        str(tmp_path / "att"),
+    )
     written = written_json(tmp_path / "att.json")
     (run,) = written["models"].values()
     assert len(run["layers"]) == 2
@@ -271,6 +420,19 @@ def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too
     kept = committed("models/attention_by_distance.json")
     assert shape(written, frozenset({"models", "by_distance"})).keys() == shape(kept).keys()
     with pytest.raises(SystemExit) as done:
-        main(["attention", "--model", tiny, "--length", "10", "--sinks", "2", "--recent", "8",
-              "--out", str(tmp_path / "no")])
+        main(
+            [
+                "attention",
+                "--model",
+                tiny,
+                "--length",
+                "10",
+                "--sinks",
+                "2",
+                "--recent",
+                "8",
+                "--out",
+                str(tmp_path / "no"),
+            ]
+        )
     assert done.value.code == 2 and not (tmp_path / "no.json").exists()

@@ -30,7 +30,7 @@ def test_fair_chunks_agree_with_the_oracle(policy, kv_heads, rolling, chunk):
     cache = StreamingCache(model, spec, rolling=rolling)
     ids = stream_for(spec, 10 * budget, seed=kv_heads + chunk, vocab=VOCAB)
     for start in range(0, ids.shape[1], chunk):
-        piece = ids[:, start:start + chunk]
+        piece = ids[:, start : start + chunk]
         engine_logits = model(piece, cache=cache).logits[0]
         oracle_logits = oracle.chunk(piece[0].tolist())
         assert torch.allclose(engine_logits, oracle_logits, atol=1e-4, rtol=0), f"chunk at {start}"
@@ -60,19 +60,21 @@ def test_no_query_sees_more_than_budget_plus_one_keys(policy, monkeypatch):
         def counting(query, key, value, mask, *args, _kernel=kernel, **kwargs):
             widest.append(_widest_row(mask, query.shape[-2], key.shape[-2]))
             return _kernel(query, key, value, mask, *args, **kwargs)
+
         monkeypatch.setattr(hooks, name, counting)
     sdpa = hooks.F.scaled_dot_product_attention
 
     def counting_sdpa(query, key, value, attn_mask=None, **kwargs):
         widest.append(_widest_row(attn_mask, query.shape[-2], key.shape[-2]))
         return sdpa(query, key, value, attn_mask=attn_mask, **kwargs)
+
     monkeypatch.setattr(hooks.F, "scaled_dot_product_attention", counting_sdpa)
     model = tiny_model("llama")
     budget, chunk = 16, 8
     cache = StreamingCache(model, build(policy, budget))
     ids = random_ids(80)
     for start in range(0, 80, chunk):
-        model(ids[:, start:start + chunk], cache=cache)
+        model(ids[:, start : start + chunk], cache=cache)
     assert max(widest) == widest_budget(cache) + 1
     assert cache.max_keys_seen == widest_budget(cache) + 1
 
@@ -95,9 +97,9 @@ def test_wide_chunks_let_queries_see_the_cache_plus_the_chunk(policy):
     ids = random_ids(64)
     outputs = {}
     for name, cache in (("fair", fair), ("wide", wide)):
-        outputs[name] = torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0] for s in range(0, 64, chunk)])
+        outputs[name] = torch.cat([model(ids[:, s : s + chunk], cache=cache).logits[0] for s in range(0, 64, chunk)])
     assert wide.max_keys_seen == widest_budget(wide) + chunk and fair.max_keys_seen == widest_budget(fair) + 1
-    assert not torch.allclose(outputs["fair"][chunk * 3:], outputs["wide"][chunk * 3:])
+    assert not torch.allclose(outputs["fair"][chunk * 3 :], outputs["wide"][chunk * 3 :])
     # the same until the first fair cut: before the first chunk that finds more than budget + 1 - chunk entries (the
     # smallest layer's budget, with a per-layer schedule); at 16 and chunks of 8, the first 16 tokens
     narrowest = min(policy.budget for policy in fair.layer_policies)
@@ -112,7 +114,7 @@ def test_band_policies_and_the_full_cache_are_untouched_by_fairness(policy):
     logits = {}
     for wide in (False, True):
         cache = StreamingCache(model, build(policy, 16), wide_chunks=wide)
-        logits[wide] = torch.cat([model(ids[:, s:s + 8], cache=cache).logits[0] for s in range(0, 64, 8)])
+        logits[wide] = torch.cat([model(ids[:, s : s + 8], cache=cache).logits[0] for s in range(0, 64, 8)])
     assert torch.equal(logits[False], logits[True])
 
 
@@ -133,8 +135,9 @@ def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
                 assert abs((value - split[name]) - share) < 1, (name, split)
         else:
             assert all(split[name] == 0 for name in others) and split["sinks"] == budget, split
-        assert {k: v for k, v in vars(smaller).items() if k not in full} == \
-            {k: v for k, v in vars(spec).items() if k not in full}
+        assert {k: v for k, v in vars(smaller).items() if k not in full} == {
+            k: v for k, v in vars(spec).items() if k not in full
+        }
     with pytest.raises(H2OStreamError, match="cannot be reduced"):
         spec.reduced(0)
 
@@ -164,11 +167,13 @@ def test_chat_and_summarize_read_prompts_in_wide_chunks(model, tokenizer):
     from h2o_stream.apps.chat import ChatSession
     from h2o_stream.apps.summarize.reader import Reader
 
-    for cache in (ChatSession(model, tokenizer, policy=make_policy("h2o", 16)).cache,
-                  Reader(model, tokenizer, policy="h2o", cache_size=16, chunk_size=16).new_cache()):
+    for cache in (
+        ChatSession(model, tokenizer, policy=make_policy("h2o", 16)).cache,
+        Reader(model, tokenizer, policy="h2o", cache_size=16, chunk_size=16).new_cache(),
+    ):
         ids = random_ids(48) % len(tokenizer)
         for start in range(0, 48, 16):
-            model(ids[:, start:start + 16], cache=cache)
+            model(ids[:, start : start + 16], cache=cache)
         assert not cache.fair and cache.max_keys_seen == 32
 
 
@@ -197,7 +202,7 @@ def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, s
         cache = StreamingCache(model, build(policy, 8), decide_every=decide_every)
         logits = []
         for start in range(0, ids.shape[1], width):
-            logits.append(model(ids[:, start:start + width], cache=cache).logits)
+            logits.append(model(ids[:, start : start + width], cache=cache).logits)
             pending_seen = pending_seen or any(layer.cut_pending for layer in cache.layers)
             if settle:
                 cache.settle()

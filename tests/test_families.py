@@ -37,7 +37,7 @@ def tolerance(family: str) -> float:
 def stream(model, cache, ids, chunk: int) -> torch.Tensor:
     """(length, vocab) logits of `ids` fed `chunk` tokens per forward."""
     with torch.no_grad():
-        return torch.cat([model(ids[:, s:s + chunk], cache=cache).logits[0] for s in range(0, ids.shape[1], chunk)])
+        return torch.cat([model(ids[:, s : s + chunk], cache=cache).logits[0] for s in range(0, ids.shape[1], chunk)])
 
 
 def slides(model) -> list[bool]:
@@ -92,7 +92,7 @@ def test_rolling_does_not_drift_over_a_periodic_stream(family):
         warnings.simplefilter("ignore")
         logits = stream(model, cache, ids, 64)
     warm = 8 * period  # beyond every window and the depth of the model
-    assert (logits[warm:warm + period] - logits[-period:]).abs().max() < tolerance(family) * 10
+    assert (logits[warm : warm + period] - logits[-period:]).abs().max() < tolerance(family) * 10
 
 
 def test_keys_moved_to_a_sliding_layers_slots_do_not_drift_over_long_rolling():
@@ -177,8 +177,10 @@ def test_an_unknown_sliding_mode_and_layer_type_are_refused():
         StreamingCache(model, make_policy("sink", 6))
 
 
-@pytest.mark.parametrize("family, reason", [("gemma2", "logit soft-capping"), ("gpt_oss", "learned sink logits"),
-                                            ("cohere2", "interleaved rotary pairs")])
+@pytest.mark.parametrize(
+    "family, reason",
+    [("gemma2", "logit soft-capping"), ("gpt_oss", "learned sink logits"), ("cohere2", "interleaved rotary pairs")],
+)
 def test_the_compiled_loop_declines_what_it_cannot_take_and_says_so_once(family, reason, monkeypatch):
     monkeypatch.setattr(hooks, "_said", set())
     monkeypatch.setenv("H2O_STREAM_COMPILED", "1")
@@ -219,7 +221,8 @@ def test_rows_of_a_hybrid_model_equal_each_cache_alone():
     caches = [StreamingCache(model, p, decide_every=None) for p in policies]
     rows = RowsCache(model, caches)
     with torch.no_grad():
-        together = torch.cat([model(ids[:, s:s + 4].expand(3, -1), cache=rows).logits for s in range(0, 40, 4)],
-                             dim=1)
+        together = torch.cat(
+            [model(ids[:, s : s + 4].expand(3, -1), cache=rows).logits for s in range(0, 40, 4)], dim=1
+        )
     for row, logits in enumerate(alone):
         assert (together[row] - logits).abs().max() < 1e-6

@@ -48,13 +48,24 @@ def test_the_tests_pass_offline_and_beside_an_earlier_runs_results(tmp_path):
     before = {path.name: path.read_bytes() for path in left.iterdir()}
     hub_home = tmp_path / "users-hf-home"
     hub_home.mkdir()
-    selection = ["test_perplexity.py::test_directory_without_usable_files",
-                 "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_a_model",
-                 "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_the_corpus",
-                 "test_hermetic.py::test_a_test_runs_in_an_empty_directory_of_its_own",
-                 "test_hermetic.py::test_a_test_runs_without_the_users_settings"]
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--basetemp", str(tmp_path / "base"),
-               *(str(TESTS / test) for test in selection)]
+    selection = [
+        "test_perplexity.py::test_directory_without_usable_files",
+        "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_a_model",
+        "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_the_corpus",
+        "test_hermetic.py::test_a_test_runs_in_an_empty_directory_of_its_own",
+        "test_hermetic.py::test_a_test_runs_without_the_users_settings",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "--basetemp",
+        str(tmp_path / "base"),
+        *(str(TESTS / test) for test in selection),
+    ]
     env = {**os.environ, **USERS_SETTINGS, "HF_HOME": str(hub_home)}
     done = subprocess.run(command, cwd=user, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

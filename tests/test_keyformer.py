@@ -39,9 +39,12 @@ def test_the_draws_are_gumbel_distributed_and_differ_by_layer_head_and_seed():
     queries = torch.arange(100)
     noise = gumbel_noise(0, 0, 2, queries, keys, torch.float64)  # 400,000 draws
     assert noise.mean().item() == pytest.approx(0.5772, abs=0.01)  # Euler's constant
-    assert noise.var().item() == pytest.approx(math.pi ** 2 / 6, rel=0.02)
-    others = [noise[0, 0, 1], gumbel_noise(0, 1, 2, queries, keys, torch.float64)[0, 0, 0],
-              gumbel_noise(1, 0, 2, queries, keys, torch.float64)[0, 0, 0]]
+    assert noise.var().item() == pytest.approx(math.pi**2 / 6, rel=0.02)
+    others = [
+        noise[0, 0, 1],
+        gumbel_noise(0, 1, 2, queries, keys, torch.float64)[0, 0, 0],
+        gumbel_noise(1, 0, 2, queries, keys, torch.float64)[0, 0, 0],
+    ]
     for other in others:  # another query head, another layer, another seed: uncorrelated draws
         assert abs(torch.corrcoef(torch.stack([noise[0, 0, 0].flatten(), other.flatten()]))[0, 1].item()) < 0.01
 
@@ -57,7 +60,7 @@ def _kept(policy, ids, chunk=1):
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     cache = StreamingCache(model, policy)
     for start in range(0, ids.shape[1], chunk):
-        model(ids[:, start:start + chunk], cache=cache)
+        model(ids[:, start : start + chunk], cache=cache)
     cache.settle()
     return [layer.positions[0].tolist() for layer in cache.layers]
 
@@ -79,10 +82,13 @@ def test_the_oracle_comparison_can_fail_on_the_seed():
     ids = random_ids(10 * BUDGET, seed=2)
     differs = False
     for t in range(ids.shape[1]):
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
         oracle.step(int(ids[0, t]))
-        differs |= any(cache.layers[layer].positions[0, head].tolist() != oracle.kept_positions(layer, head)
-                       for layer in range(len(cache.layers)) for head in range(2))
+        differs |= any(
+            cache.layers[layer].positions[0, head].tolist() != oracle.kept_positions(layer, head)
+            for layer in range(len(cache.layers))
+            for head in range(2)
+        )
     assert differs
 
 
@@ -94,31 +100,50 @@ def test_a_fair_chunk_draws_what_exact_mode_draws_for_the_same_query_and_key():
     for chunk in (1, 4):
         cache = StreamingCache(model, make_policy("keyformer", 64))  # nothing is cut: every key stays
         for start in range(0, 12, chunk):
-            model(ids[:, start:start + chunk], cache=cache)
+            model(ids[:, start : start + chunk], cache=cache)
         layer = cache.layers[1]
         noise, taus = layer.gumbel_draws(3, 2, torch.float64)  # the last 3 queries over the 12 keys
         draws.append((noise, taus))
     assert torch.equal(draws[0][0], draws[1][0]) and torch.equal(draws[0][1], draws[1][1])
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"tau_init": 0.0}, "tau_init (keyformer's first temperature) must be a number in (0, 1e+06], got 0.0"),
-    ({"tau_end": -1.0}, "tau_end (keyformer's last temperature) must be a number in (0, 1e+06], got -1.0"),
-    ({"tau_steps": -2}, "tau_steps (0: the cache size) must be a whole number"),
-    ({"gumbel_seed": 1 << 32}, "gumbel_seed must be a whole number in (-1, 4.29497e+09], got 4294967296"),
-])
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"tau_init": 0.0}, "tau_init (keyformer's first temperature) must be a number in (0, 1e+06], got 0.0"),
+        ({"tau_end": -1.0}, "tau_end (keyformer's last temperature) must be a number in (0, 1e+06], got -1.0"),
+        ({"tau_steps": -2}, "tau_steps (0: the cache size) must be a whole number"),
+        ({"gumbel_seed": 1 << 32}, "gumbel_seed must be a whole number in (-1, 4.29497e+09], got 4294967296"),
+    ],
+)
 def test_a_bad_setting_is_one_clear_error(settings, message):
     with pytest.raises(H2OStreamError, match=message.replace("(", r"\(").replace(")", r"\)").replace("+", r"\+")):
         make_policy("keyformer", BUDGET, **settings)
 
 
-@pytest.mark.parametrize("option, value, message", [
-    ("--tau-init", 0, "tau_init (keyformer's first temperature) must be a number in (0, 1e+06], got 0.0"),
-    ("--tau-steps", -1, "tau_steps (0: the cache size) must be a whole number in (-1, 1.09951e+12], got -1"),
-])
-def test_a_bad_setting_on_the_command_line_is_one_error_line(ppl_model_dir, tmp_path, capsys, option, value,
-                                                              message):
-    args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 60,
-            "--cache-size", 16, "--out", tmp_path / "out", "--policy", "keyformer", option, value]
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--tau-init", 0, "tau_init (keyformer's first temperature) must be a number in (0, 1e+06], got 0.0"),
+        ("--tau-steps", -1, "tau_steps (0: the cache size) must be a whole number in (-1, 1.09951e+12], got -1"),
+    ],
+)
+def test_a_bad_setting_on_the_command_line_is_one_error_line(ppl_model_dir, tmp_path, capsys, option, value, message):
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--tokens",
+        60,
+        "--cache-size",
+        16,
+        "--out",
+        tmp_path / "out",
+        "--policy",
+        "keyformer",
+        option,
+        value,
+    ]
     assert message in ppl_error(capsys, *args)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -38,8 +38,11 @@ def test_no_module_imports_itself_through_a_cycle():
 
 
 def test_no_module_is_longer_than_a_sitting():
-    long = {str(p.relative_to(REPO)): n for p in (REPO / "h2o_stream").rglob("*.py")
-            if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES}
+    long = {
+        str(p.relative_to(REPO)): n
+        for p in (REPO / "h2o_stream").rglob("*.py")
+        if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES
+    }
     assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
 
 
@@ -49,8 +52,16 @@ OUTSIDE = re.compile(r"\.\./shared|/work/|shared/data|/tmp/h2o|the guide\b|issue
 @pytest.mark.parametrize("where", ["README.md", "docs", "h2o_stream", "tests", "eval", ".ci", "pyproject.toml"])
 def test_nothing_points_outside_the_repository(where):
     root = REPO / where
-    files = [root] if root.is_file() else [p for p in root.rglob("*") if p.is_file()
-                                           and p.suffix in {".py", ".md", ".sh", ".toml", ""}]
-    hits = [f"{p.relative_to(REPO)}:{i}: {line.strip()}" for p in files if p != Path(__file__)
-            for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1) if OUTSIDE.search(line)]
+    files = (
+        [root]
+        if root.is_file()
+        else [p for p in root.rglob("*") if p.is_file() and p.suffix in {".py", ".md", ".sh", ".toml", ""}]
+    )
+    hits = [
+        f"{p.relative_to(REPO)}:{i}: {line.strip()}"
+        for p in files
+        if p != Path(__file__)
+        for i, line in enumerate(p.read_text(errors="replace").splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
     assert not hits, "\n".join(hits)

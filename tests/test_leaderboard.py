@@ -28,8 +28,20 @@ def leaderboard(capsys, *args) -> tuple[int, str, str]:
 @pytest.fixture
 def board_args(tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    return ["--model", ppl_model_dir, "--data", corpus, "--policy", POLICIES, "--cache-size", "16,32",
-            "--tokens", 300, "--out", tmp_path / "board"]
+    return [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--policy",
+        POLICIES,
+        "--cache-size",
+        "16,32",
+        "--tokens",
+        300,
+        "--out",
+        tmp_path / "board",
+    ]
 
 
 def test_leaderboard_ranks_every_policy_at_every_size_against_sink_and_h2o(capsys, tmp_path, board_args):
@@ -75,18 +87,40 @@ def test_the_same_command_keeps_finished_runs_even_without_their_checkpoints(cap
     assert stderr.count("already done") == 7 and "== tova-32: tova" in stderr
     assert "runs on" not in stderr  # --workers auto: the one run left gets this process and all its cores
     again = {p.name: p.read_bytes() for p in runs.glob("*-*.json")}
-    assert {k: v for k, v in again.items() if k != "tova-32.json"} == \
-        {k: v for k, v in results.items() if k != "tova-32.json"}
+    assert {k: v for k, v in again.items() if k != "tova-32.json"} == {
+        k: v for k, v in results.items() if k != "tova-32.json"
+    }
     assert json.loads(again["tova-32.json"])["nll_sum"] == json.loads(results["tova-32.json"])["nll_sum"]
 
 
 def test_an_interrupted_leaderboard_prints_the_command_that_continues_it(tmp_path, ppl_model_dir):
     """The leaderboard always resumes, so the command it prints is the one given (it has no --resume option)."""
-    args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
-            "--cache-size", 16, "--tokens", 3000, "--checkpoint-every", 40, "--threads", 1, "--out", tmp_path / "b"]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--tokens",
+        3000,
+        "--checkpoint-every",
+        40,
+        "--threads",
+        1,
+        "--out",
+        tmp_path / "b",
+    ]
     given = [sys.executable, "-m", "h2o_stream", "leaderboard", *map(str, args)]
-    process = subprocess.Popen(given, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        given,
+        env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     wait_for(lambda: (tmp_path / "b" / "runs" / "h2o-16.ckpt").exists(), "the first checkpoint", process)
     process.send_signal(signal.SIGINT)
     _, stderr = process.communicate(timeout=120)
@@ -106,8 +140,9 @@ def test_report_only_redraws_without_running_and_needs_runs(capsys, tmp_path, bo
     assert code == 0 and (tmp_path / "board" / "leaderboard.md").read_text() == stdout
 
 
-def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(capsys, tmp_path, ppl_model_dir,
-                                                                              monkeypatch):
+def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(
+    capsys, tmp_path, ppl_model_dir, monkeypatch
+):
     """A corpus named like a formula ('$\\frac$' would stop mathtext) is drawn as it is written; with one cache size
     the policies are bars on an axis from 0; the windows say how long they are; titles stay inside the image."""
     import h2o_stream.apps.perplexity.leaderboard as board_module
@@ -120,14 +155,28 @@ def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(ca
             fig.canvas.draw()
             figures[Path(path).name] = fig
             return save(fig, path)
+
         return saving
 
     monkeypatch.setattr(board_module, "save_figure", keep(board_module.save_figure))
     monkeypatch.setattr(report_module, "save_figure", keep(report_module.save_figure))
     corpus = write_corpus(tmp_path / "books $\\frac$ of 1900.jsonl")
     out = tmp_path / "board"
-    code, _, stderr = leaderboard(capsys, "--model", ppl_model_dir, "--data", corpus, "--policy", "h2o,sink",
-                                  "--cache-size", 16, "--tokens", 2500, "--out", out)  # 3 points a run: 2 windows
+    code, _, stderr = leaderboard(
+        capsys,
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--policy",
+        "h2o,sink",
+        "--cache-size",
+        16,
+        "--tokens",
+        2500,
+        "--out",
+        out,
+    )  # 3 points a run: 2 windows
     assert code == 0, stderr
     assert {"ppl_vs_cache.png", "windowed_ppl.png", "ppl.png"} <= set(figures)
     for name, fig in figures.items():
@@ -145,8 +194,20 @@ def test_plots_of_one_cache_size_draw_bars_from_zero_and_keep_user_text_plain(ca
 
 def test_ppl_resume_keeps_a_finished_run_whose_checkpoint_is_gone(capsys, tmp_path, ppl_model_dir):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--tokens", 200,
-            "--out", tmp_path / "out"]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--tokens",
+        200,
+        "--out",
+        tmp_path / "out",
+    ]
     assert ppl(capsys, *args)[0] == 0
     (tmp_path / "out" / "h2o-16.ckpt").unlink()
     before = (tmp_path / "out" / "h2o-16.json").read_bytes()
@@ -163,7 +224,7 @@ def test_windowed_ppl_is_the_ppl_of_each_window_of_the_running_curve():
     curve = [(n, math.exp(sum(nll[:n]) / n)) for n in range(10, 201, 10)]
     points = windowed(curve, windows=2)
     assert [n for n, _ in points] == [100, 200]
-    assert points[0][1] == pytest.approx(math.e) and points[1][1] == pytest.approx(math.e ** 3)
+    assert points[0][1] == pytest.approx(math.e) and points[1][1] == pytest.approx(math.e**3)
 
 
 def _curve(per_token_nll: list[float], every: int = 1000) -> list[tuple[int, float]]:
@@ -184,8 +245,9 @@ def test_a_ratio_interval_is_tight_for_a_steady_gap_wide_for_a_noisy_one_and_abs
     assert same == pytest.approx([1.0, 1.0])
     steady = ratio_interval({"curve": _curve([n + 0.1 for n in base_nll])}, base)  # exp(0.1) worse everywhere
     assert steady == pytest.approx([math.exp(0.1)] * 2, rel=1e-9)
-    noisy = ratio_interval({"curve": _curve([n + (0.5 if i % 20 < 10 else -0.3) for i, n in enumerate(base_nll)])},
-                           base)
+    noisy = ratio_interval(
+        {"curve": _curve([n + (0.5 if i % 20 < 10 else -0.3) for i, n in enumerate(base_nll)])}, base
+    )
     assert noisy[0] < math.exp(0.1) < noisy[1] and noisy[1] - noisy[0] > 0.05
     assert ratio_interval({"curve": _curve(base_nll[:40])}, {"curve": _curve(base_nll[:40])}) is None  # 4 windows
     assert ratio_interval({"curve": _curve(base_nll)}, base) == same  # seeded: the same runs, the same interval

@@ -36,6 +36,7 @@ def finished(tmp_path_factory, ppl_model_dir):
     corpus = write_corpus(where / "corpus.jsonl")
     args = ["--model", ppl_model_dir, "--data", corpus, "--policy", POLICIES, "--cache-size", "16", "--tokens", 300]
     from h2o_stream.cli import main
+
     try:
         main(["leaderboard", *map(str, args), "--out", str(where / "board")])
     except SystemExit as exit_:
@@ -58,13 +59,16 @@ def edit(path, change) -> None:
     path.write_text(json.dumps(data))
 
 
-@pytest.mark.parametrize("field, value, reason", [
-    ("data_sha256", "0" * 64, "data_sha256"),
-    ("model_weights", "0123456789abcdef", "model_weights"),
-    ("dtype", "bfloat16", "dtype"),
-    ("rolling", False, "rolling"),
-    ("skip_tokens", 100, "skip_tokens"),
-])
+@pytest.mark.parametrize(
+    "field, value, reason",
+    [
+        ("data_sha256", "0" * 64, "data_sha256"),
+        ("model_weights", "0123456789abcdef", "model_weights"),
+        ("dtype", "bfloat16", "dtype"),
+        ("rolling", False, "rolling"),
+        ("skip_tokens", 100, "skip_tokens"),
+    ],
+)
 def test_runs_on_another_stream_or_model_are_never_ranked_together(capsys, board, field, value, reason):
     edit(board / "runs" / "h2o-16.json", lambda r: r["settings"].update({field: value}))
     line = refused(capsys, "--out", board, "--report-only")
@@ -126,22 +130,27 @@ def test_out_inside_the_corpus_folder_is_refused(capsys, tmp_path, finished, ins
 
 def _damage_cases():
     text = {  # raw replacements of the text of h2o-16.json's fields (NaN / Infinity are not strict JSON)
-        "ppl NaN": ('"ppl": PPL', '"ppl": NaN'), "ppl inf": ('"ppl": PPL', '"ppl": Infinity'),
+        "ppl NaN": ('"ppl": PPL', '"ppl": NaN'),
+        "ppl inf": ('"ppl": PPL', '"ppl": Infinity'),
         "ppl huge": ('"ppl": PPL', '"ppl": 1' + "0" * 400),
     }
     edits = {
-        "ppl a string": lambda r: r.update(ppl="low"), "ppl 0": lambda r: r.update(ppl=0),
-        "ppl missing": lambda r: r.pop("ppl"), "predicted_tokens missing": lambda r: r.pop("predicted_tokens"),
+        "ppl a string": lambda r: r.update(ppl="low"),
+        "ppl 0": lambda r: r.update(ppl=0),
+        "ppl missing": lambda r: r.pop("ppl"),
+        "predicted_tokens missing": lambda r: r.pop("predicted_tokens"),
         "heavy missing": lambda r: r["settings"].pop("heavy"),
         "chunk_size missing": lambda r: r["settings"].pop("chunk_size"),
-        "curve an int": lambda r: r.update(curve=3), "curve a string": lambda r: r.update(curve="up"),
+        "curve an int": lambda r: r.update(curve=3),
+        "curve a string": lambda r: r.update(curve="up"),
         "curve negative": lambda r: r.update(curve=[[10, -2.0]]),
         "tokens_per_second null": lambda r: r.update(tokens_per_second=None),
         "policy a list": lambda r: r["settings"].update(policy=["h2o"]),
         "policy unknown": lambda r: r["settings"].update(policy="nope"),
     }
-    return [pytest.param("text", v, id=k) for k, v in text.items()] + \
-        [pytest.param("edit", v, id=k) for k, v in edits.items()]
+    return [pytest.param("text", v, id=k) for k, v in text.items()] + [
+        pytest.param("edit", v, id=k) for k, v in edits.items()
+    ]
 
 
 @pytest.mark.parametrize("how, damage", _damage_cases())
@@ -212,9 +221,15 @@ def test_a_bad_ray_address_fails_before_the_model_loads(capsys, tmp_path, finish
 
 
 #: JSON values a hand edit or a damaged disk could leave in a field
-ODD = st.one_of(st.none(), st.booleans(), st.integers(min_value=-10**30, max_value=10**30), st.text(max_size=5),
-                st.floats(allow_nan=False, allow_infinity=False), st.lists(st.integers(), max_size=3),
-                st.just({}))
+ODD = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(10**30), max_value=10**30),
+    st.text(max_size=5),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.lists(st.integers(), max_size=3),
+    st.just({}),
+)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -228,7 +243,7 @@ def test_randomly_damaged_results_never_give_a_traceback_or_replace_a_file(capsy
     how = data.draw(st.sampled_from(["truncate", "replace", "remove", "setting"]))
     if how == "truncate":
         text = json.dumps(result)
-        path.write_text(text[:data.draw(st.integers(0, len(text) - 1))])
+        path.write_text(text[: data.draw(st.integers(0, len(text) - 1))])
     else:
         target = result["settings"] if how == "setting" else result
         key = data.draw(st.sampled_from(sorted(target)))

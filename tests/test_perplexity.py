@@ -85,8 +85,7 @@ def test_books_are_concatenated_or_reset():
     lengths = [len(tokenizer(b)["input_ids"]) for b in books]
     joined = stream_perplexity(model, tokenizer, books, policy="sink", cache_size=16, chunk_size=8)
     assert joined.predicted == sum(lengths) - 1  # every token but the stream's first
-    reset = stream_perplexity(model, tokenizer, books, policy="sink", cache_size=16, chunk_size=8,
-                              reset_per_book=True)
+    reset = stream_perplexity(model, tokenizer, books, policy="sink", cache_size=16, chunk_size=8, reset_per_book=True)
     assert reset.predicted == sum(lengths) - 2  # every token but each book's first
     alone = [stream_perplexity(model, tokenizer, [b], policy="sink", cache_size=16, chunk_size=8) for b in books]
     assert reset.nll_sum == pytest.approx(sum(r.nll_sum for r in alone), rel=1e-6)
@@ -98,8 +97,17 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book, span):
     model, tokenizer = tiny_model("llama", init_std=0.2), char_tokenizer()
     books = [TEXT[:700], TEXT[:333], TEXT[:900]]
     pieces = lambda: token_pieces(books, tokenizer)  # noqa: E731
-    make = lambda: PerplexityRun(model, make_policy("h2o", 24), chunk_size=16, span=span,  # noqa: E731
-                                 reset_per_book=reset_per_book, curve_every=100)
+
+    def make():
+        return PerplexityRun(
+            model,
+            make_policy("h2o", 24),
+            chunk_size=16,
+            span=span,
+            reset_per_book=reset_per_book,
+            curve_every=100,
+        )
+
     whole = make()
     whole.run(pieces())
     first, saved = make(), []
@@ -122,6 +130,7 @@ def test_checkpoint_resume_is_bit_identical(tmp_path, reset_per_book, span):
 
 # -- the CLI ------------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def corpus(tmp_path):
     return write_corpus(tmp_path / "corpus.jsonl")
@@ -133,8 +142,25 @@ def run_cli(args, capsys):
 
 def test_ppl_command_writes_results_plot_and_table(ppl_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    code, stdout, stderr = run_cli(["--model", ppl_model_dir, "--data", corpus, "--tokens", 2000, "--policy",
-                                    "h2o,sink", "--cache-size", "16,32", "--chunk-size", 16, "--out", out], capsys)
+    code, stdout, stderr = run_cli(
+        [
+            "--model",
+            ppl_model_dir,
+            "--data",
+            corpus,
+            "--tokens",
+            2000,
+            "--policy",
+            "h2o,sink",
+            "--cache-size",
+            "16,32",
+            "--chunk-size",
+            16,
+            "--out",
+            out,
+        ],
+        capsys,
+    )
     assert code == 0, stderr
     assert "h2o(heavy=8, recent=8)" in stderr and "sink(sinks=4, recent=12)" in stderr
     for name in ("h2o-16", "h2o-32", "sink-16", "sink-32"):
@@ -147,24 +173,56 @@ def test_ppl_command_writes_results_plot_and_table(ppl_model_dir, corpus, tmp_pa
 
 
 def test_more_tokens_than_the_corpus_runs_what_there_is(ppl_model_dir, corpus, tmp_path, capsys):
-    code, _, stderr = run_cli(["--model", ppl_model_dir, "--data", corpus, "--tokens", 10**7, "--policy", "sink",
-                               "--cache-size", 16, "--chunk-size", 64, "--out", tmp_path / "o"], capsys)
+    code, _, stderr = run_cli(
+        [
+            "--model",
+            ppl_model_dir,
+            "--data",
+            corpus,
+            "--tokens",
+            10**7,
+            "--policy",
+            "sink",
+            "--cache-size",
+            16,
+            "--chunk-size",
+            64,
+            "--out",
+            tmp_path / "o",
+        ],
+        capsys,
+    )
     assert code == 0
     result = json.loads((tmp_path / "o" / "sink-16.json").read_text())
     assert result["corpus_exhausted"] and "the corpus has only" in stderr
-    assert result["tokens_fed"] == sum(len(TEXT[i * 50:]) + 1 for i in range(3))
+    assert result["tokens_fed"] == sum(len(TEXT[i * 50 :]) + 1 for i in range(3))
 
 
 def test_sigkill_then_resume_gives_the_same_nll_as_an_uninterrupted_run(ppl_model_dir, corpus, tmp_path):
-    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 6000, "--policy", "h2o", "--cache-size", 16,
-            "--chunk-size", 8, "--checkpoint-every", 64]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        6000,
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--checkpoint-every",
+        64,
+    ]
     command = [sys.executable, "-m", "h2o_stream", "ppl", *map(str, args)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run([*command, "--out", tmp_path / "whole"], check=True, env=env, capture_output=True)
 
     killed = tmp_path / "killed"
-    process = subprocess.Popen([*command, "--out", killed], env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [*command, "--out", killed], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     checkpoint = killed / "h2o-16.ckpt"
 
     def stamp():
@@ -211,11 +269,14 @@ def _error(args, capsys):
     return last
 
 
-@pytest.mark.parametrize("content, message", [
-    (b"", "is empty"),
-    (b"\x00\x01\x02binary\xff", "not UTF-8"),
-    (b'{"short_book_title": "x", "body": "no text field"}\n', "text"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b"", "is empty"),
+        (b"\x00\x01\x02binary\xff", "not UTF-8"),
+        (b'{"short_book_title": "x", "body": "no text field"}\n', "text"),
+    ],
+)
 def test_bad_corpus_files(ppl_model_dir, tmp_path, capsys, content, message):
     path = tmp_path / "bad.jsonl"
     path.write_bytes(content)
@@ -232,32 +293,51 @@ def test_corrupt_gguf_model(corpus, tmp_path, capsys):
 def test_directory_without_usable_files(ppl_model_dir, tmp_path, capsys):
     (tmp_path / "d").mkdir()
     (tmp_path / "d" / "notes.csv").write_text("a,b")
-    assert "no usable files" in _error(["--model", ppl_model_dir, "--data", tmp_path / "d", "--out", tmp_path / "o"],
-                                       capsys)
+    assert "no usable files" in _error(
+        ["--model", ppl_model_dir, "--data", tmp_path / "d", "--out", tmp_path / "o"], capsys
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--tokens", 0], "--tokens"),
-    (["--cache-size", 0], "cache size"),
-    (["--cache-size", "16", "--recent", 20], "cannot exceed"),
-    (["--policy", "lru"], "unknown policy"),
-    (["--sinks", -1, "--policy", "sink"], "sinks"),
-    (["--chunk-size", 0], "chunk"),
-    (["--chunk-size", 8, "--span", 12], "--span must be a positive multiple of the chunk size (8)"),
-    (["--span", 0], "--span must be a positive multiple"),
-    (["--policy", "h2o", "--cache-size", 64, "--span", 6], "must be a multiple of the chunk size 4, got 6"),
-    (["--model", "/no/such/model"], "not found"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--tokens", 0], "--tokens"),
+        (["--cache-size", 0], "cache size"),
+        (["--cache-size", "16", "--recent", 20], "cannot exceed"),
+        (["--policy", "lru"], "unknown policy"),
+        (["--sinks", -1, "--policy", "sink"], "sinks"),
+        (["--chunk-size", 0], "chunk"),
+        (["--chunk-size", 8, "--span", 12], "--span must be a positive multiple of the chunk size (8)"),
+        (["--span", 0], "--span must be a positive multiple"),
+        (["--policy", "h2o", "--cache-size", 64, "--span", 6], "must be a multiple of the chunk size 4, got 6"),
+        (["--model", "/no/such/model"], "not found"),
+    ],
+)
 def test_bad_options(ppl_model_dir, corpus, tmp_path, capsys, args, message):
     base = ["--model", ppl_model_dir, "--data", corpus, "--out", tmp_path / "o"]
     assert message in _error(base + args, capsys)
 
 
-def test_resume_refuses_corrupt_or_mismatched_checkpoints_and_overwrites_nothing(ppl_model_dir, corpus, tmp_path,
-                                                                                 capsys):
+def test_resume_refuses_corrupt_or_mismatched_checkpoints_and_overwrites_nothing(
+    ppl_model_dir, corpus, tmp_path, capsys
+):
     out = tmp_path / "o"
-    base = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 300, "--policy", "h2o", "--cache-size", 16,
-            "--chunk-size", 8, "--out", out]
+    base = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        300,
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--out",
+        out,
+    ]
     assert run_cli(base, capsys)[0] == 0
     assert "--resume" in _error(base, capsys)  # a second run into the same --out without --resume
     checkpoint = out / "h2o-16.ckpt"

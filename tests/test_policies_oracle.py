@@ -26,15 +26,15 @@ VARIANTS = {
     "roco": lambda: make_policy("roco", BUDGET, volatile=2, heavy=3, recent=3),
     "roco-no-volatile": lambda: make_policy("roco", BUDGET, volatile=0, recent=1),
     "snapkv": lambda: make_policy("snapkv", BUDGET, heavy=5, recent=3, observation=3, kernel=3),
-    "snapkv-max-pool": lambda: make_policy("snapkv", BUDGET, heavy=6, recent=2, observation=4, kernel=3,
-                                           max_pool=True),
+    "snapkv-max-pool": lambda: make_policy("snapkv", BUDGET, heavy=6, recent=2, observation=4, kernel=3, max_pool=True),
     "pyramid": lambda: make_policy("pyramid", BUDGET, heavy=5, recent=3, observation=3, kernel=3, beta=2),
     "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
     "cam": lambda: make_policy("cam", BUDGET, sinks=2, merge_span=3),
     "cam-wide-span": lambda: make_policy("cam", BUDGET, sinks=1, merge_span=32, merge_seed=5),
     "keyformer": lambda: make_policy("keyformer", BUDGET, heavy=5, recent=3, tau_steps=40),
-    "keyformer-hot": lambda: make_policy("keyformer", BUDGET, heavy=6, recent=2, tau_init=0.5, tau_end=4.0,
-                                         tau_steps=7, gumbel_seed=12345),
+    "keyformer-hot": lambda: make_policy(
+        "keyformer", BUDGET, heavy=6, recent=2, tau_init=0.5, tau_end=4.0, tau_steps=7, gumbel_seed=12345
+    ),
 }
 
 
@@ -50,7 +50,7 @@ def test_policy_variants_agree_with_the_oracle_on_streams_ten_times_the_budget(v
     if variant.startswith("sepllm"):
         # the entries kept between the sinks and the window are separators (the stream has plenty of them)
         stream = stream_for(spec, 10 * BUDGET, seed=kv_heads, vocab=VOCAB)[0].tolist()
-        assert all(stream[p] in SEPARATORS for p in kept[0][spec.sinks: spec.sinks + spec.separators])
+        assert all(stream[p] in SEPARATORS for p in kept[0][spec.sinks : spec.sinks + spec.separators])
 
 
 def test_the_oracle_comparison_can_fail():
@@ -63,7 +63,7 @@ def test_the_oracle_comparison_can_fail():
     ids = random_ids(10 * BUDGET, seed=2)
     differs = False
     for t in range(ids.shape[1]):
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
         oracle.step(int(ids[0, t]))
         differs |= cache.layers[0].positions[0, 0].tolist() != oracle.kept_positions(0, 0)
     assert differs

@@ -56,13 +56,13 @@ def test_tova_without_rolling_equals_the_official_cache_token_for_token(kv_heads
     try:
         for t in range(ids.shape[1]):
             position = torch.tensor([[t]])
-            expected.append(model(ids[:, t:t + 1], position_ids=position, use_cache=False, position=t).logits[0, -1])
+            expected.append(model(ids[:, t : t + 1], position_ids=position, use_cache=False, position=t).logits[0, -1])
             kept.append([sorted(reference.layers[i][2].tolist()) for i in sorted(reference.layers)])
     finally:
         model.set_attn_implementation(previous)
     cache = StreamingCache(model, make_policy("tova", budget), rolling=False)
     for t in range(ids.shape[1]):
-        logits = model(ids[:, t:t + 1], cache=cache).logits[0, -1]
+        logits = model(ids[:, t : t + 1], cache=cache).logits[0, -1]
         assert torch.allclose(logits, expected[t], atol=1e-4, rtol=0), (t, (logits - expected[t]).abs().max())
         for layer_idx, layer in enumerate(cache.layers):
             for head in range(kv_heads):

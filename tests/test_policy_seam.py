@@ -29,11 +29,15 @@ from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
 from tiny_models import random_ids, tiny_model
 
 #: what conftest's `tokenizer` is trained on here: every separator mark, and words without any
-TRAINING_TEXTS = ["Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
-                  "plain words without any marks at all", "one. two, three? four! five; six: seven"]
+TRAINING_TEXTS = [
+    "Hello, world. What is two plus two? Four! Then: more; text.\nA new line,\tand a tab.",
+    "plain words without any marks at all",
+    "one. two, three? four! five; six: seven",
+]
 
 
 # -- the registry and the base class -----------------------------------------------------------------------------
+
 
 def test_every_policy_class_of_the_policies_folder_is_made_by_its_name():
     """A policy file whose class misses @register would be absent from make_policy, the command line and every test
@@ -41,8 +45,14 @@ def test_every_policy_class_of_the_policies_folder_is_made_by_its_name():
     defined = []
     for found in pkgutil.iter_modules(policies_package.__path__):
         module = importlib.import_module(f"{policies_package.__name__}.{found.name}")
-        defined += [cls for cls in vars(module).values() if isinstance(cls, type) and issubclass(cls, EvictionPolicy)
-                    and cls is not EvictionPolicy and cls.__module__ == module.__name__]
+        defined += [
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type)
+            and issubclass(cls, EvictionPolicy)
+            and cls is not EvictionPolicy
+            and cls.__module__ == module.__name__
+        ]
     assert defined
     for cls in defined:
         cache_size = 16 if cls.parts else None
@@ -56,13 +66,20 @@ def test_every_kind_of_policy_the_other_tests_draw_from_has_one():
     assert SCORED and BANDED and unscored and TOKENIZED and set(EVICTING) < set(ALL)
 
 
-@pytest.mark.parametrize("size, given, expected", [
-    (16, {}, {"fixed": 4, "shared": 8, "rest": 4}),
-    (6, {}, {"fixed": 4, "shared": 2, "rest": 0}),  # each default is capped at what is left
-    (2, {}, {"fixed": 2, "shared": 0, "rest": 0}),
-    (16, {"rest": 10}, {"fixed": 4, "shared": 2, "rest": 10}),  # the rest given: the last part not given is the rest
-    (16, {"fixed": 1, "shared": 1}, {"fixed": 1, "shared": 1, "rest": 14}),
-])
+@pytest.mark.parametrize(
+    "size, given, expected",
+    [
+        (16, {}, {"fixed": 4, "shared": 8, "rest": 4}),
+        (6, {}, {"fixed": 4, "shared": 2, "rest": 0}),  # each default is capped at what is left
+        (2, {}, {"fixed": 2, "shared": 0, "rest": 0}),
+        (
+            16,
+            {"rest": 10},
+            {"fixed": 4, "shared": 2, "rest": 10},
+        ),  # the rest given: the last part not given is the rest
+        (16, {"fixed": 1, "shared": 1}, {"fixed": 1, "shared": 1, "rest": 14}),
+    ],
+)
 def test_a_budget_splits_by_the_declared_defaults(size, given, expected):
     parts = (Part("fixed", "f", fixed=4), Part("shared", "s", share=0.5), Part("rest", "r"))
     assert split_budget(parts, size, given) == expected
@@ -92,7 +109,7 @@ def test_a_scored_policy_that_declares_only_its_rule_scores_as_h2o(chunk, compil
     runs = []
     for policy in (make_policy("h2o", 12), HeaviestPolicy(heavy=6, recent=6)):
         cache = StreamingCache(model, policy)
-        logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, 80, chunk)], dim=1)
+        logits = torch.cat([model(ids[:, i : i + chunk], cache=cache).logits for i in range(0, 80, chunk)], dim=1)
         runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
     (h2o, h2o_kept, evicted), (new, new_kept, new_evicted) = runs
     assert evicted > 0 and new_evicted == evicted
@@ -113,8 +130,13 @@ def test_bad_declarations_are_refused():
     with pytest.raises(H2OStreamError, match="tuple of Part"):
         type("Bad", (EvictionPolicy,), {"name": "bad", "parts": ("heavy",), "keep": lambda *a: None})
     with pytest.raises(H2OStreamError, match="at most one rest part"):
-        register(type("TwoRests", (EvictionPolicy,), {"name": "two-rests", "parts": (Part("a", "a"), Part("b", "b")),
-                                                       "keep": lambda *a: None}))
+        register(
+            type(
+                "TwoRests",
+                (EvictionPolicy,),
+                {"name": "two-rests", "parts": (Part("a", "a"), Part("b", "b")), "keep": lambda *a: None},
+            )
+        )
     with pytest.raises(H2OStreamError, match="taken by"):
         register(type("Impostor", (EvictionPolicy,), {"name": "h2o", "keep": lambda *a: None}))
     with pytest.raises(H2OStreamError, match="name usable as an argument"):
@@ -136,6 +158,7 @@ def test_bad_declarations_are_refused():
 
 # -- bad input, through make_policy ---------------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("alpha", [0, -0.5, 1.5, 1.0000001, math.nan, math.inf, "0.5", True])
 def test_a_forgetting_factor_outside_zero_one_is_refused(alpha):
     with pytest.raises(H2OStreamError, match=r"alpha \(the a2sf forgetting factor\) must be a number in \(0, 1\]"):
@@ -148,25 +171,34 @@ def test_a_forgetting_factor_in_zero_one_is_taken(alpha):
     assert make_policy("a2sf", 16).alpha == 0.95  # the declared default
 
 
-@pytest.mark.parametrize("name, parts, message", [
-    ("keydiff", dict(sinks=4, diverse=4, recent=4), "keydiff(sinks=4, diverse=4, recent=4) adds up to 12, not the "
-                                                    "cache size 16"),
-    ("tova", dict(states=10), "adds up to 10, not the cache size 16"),
-    ("h2o_sinks", dict(sinks=8, heavy=10), "sinks=8 + heavy=10 exceeds the cache size (16)"),
-    ("a2sf", dict(heavy=17), "heavy (17) cannot exceed the cache size (16)"),
-])
+@pytest.mark.parametrize(
+    "name, parts, message",
+    [
+        (
+            "keydiff",
+            dict(sinks=4, diverse=4, recent=4),
+            "keydiff(sinks=4, diverse=4, recent=4) adds up to 12, not the cache size 16",
+        ),
+        ("tova", dict(states=10), "adds up to 10, not the cache size 16"),
+        ("h2o_sinks", dict(sinks=8, heavy=10), "sinks=8 + heavy=10 exceeds the cache size (16)"),
+        ("a2sf", dict(heavy=17), "heavy (17) cannot exceed the cache size (16)"),
+    ],
+)
 def test_parts_that_do_not_add_up_are_refused(name, parts, message):
     with pytest.raises(H2OStreamError, match=re.escape(message)):
         make_policy(name, 16, **parts)
 
 
-@pytest.mark.parametrize("name, given, message", [
-    ("tova", dict(recent=4), "the tova policy takes states, per_head; it does not take recent"),
-    ("h2o", dict(alpha=0.5), "the h2o policy takes heavy, recent; it does not take alpha"),
-    ("sink", dict(per_head=False), "the sink policy takes sinks, recent; it does not take per_head"),
-    ("keydiff", dict(separators=2), "the keydiff policy takes sinks, diverse, recent; it does not take separators"),
-    ("a2sf", dict(decay=0.5), "no policy takes decay"),
-])
+@pytest.mark.parametrize(
+    "name, given, message",
+    [
+        ("tova", dict(recent=4), "the tova policy takes states, per_head; it does not take recent"),
+        ("h2o", dict(alpha=0.5), "the h2o policy takes heavy, recent; it does not take alpha"),
+        ("sink", dict(per_head=False), "the sink policy takes sinks, recent; it does not take per_head"),
+        ("keydiff", dict(separators=2), "the keydiff policy takes sinks, diverse, recent; it does not take separators"),
+        ("a2sf", dict(decay=0.5), "no policy takes decay"),
+    ],
+)
 def test_a_part_or_setting_a_policy_does_not_take_is_refused(name, given, message):
     with pytest.raises(H2OStreamError, match=re.escape(message)):
         make_policy(name, 16, **given)
@@ -183,6 +215,7 @@ def test_tova_per_head_must_be_a_flag():
 
 
 # -- a new policy, defined here: nothing else in the package changes ------------------------------------------------
+
 
 @dataclass
 class OldestPolicy(EvictionPolicy):
@@ -221,8 +254,7 @@ def test_make_policy_splits_a_new_policy_by_its_declaration(oldest_policy):
 
 def test_the_library_takes_a_new_policys_parts_by_name(oldest_policy):
     model = tiny_model("llama", init_std=0.2)
-    result = stream_perplexity(model, None, random_ids(100)[0], policy="oldest", cache_size=16, chunk_size=1,
-                               oldest=2)
+    result = stream_perplexity(model, None, random_ids(100)[0], policy="oldest", cache_size=16, chunk_size=1, oldest=2)
     assert result.settings["policy"] == "oldest" and (result.settings["oldest"], result.settings["recent"]) == (2, 14)
     assert result.predicted == 99
     # Token by token its rule is sink's; it gets there through the engine's general path (no band).
@@ -256,7 +288,8 @@ def test_the_command_line_options_come_from_the_registry(oldest_policy):
     assert json.loads(runner.invoke(probe, ["--policy", "tova"]).output)[2] == {}  # an absent flag is not given
     result = runner.invoke(probe, ["--cache-size", "big"])
     assert isinstance(result.exception, H2OStreamError) and "--cache-size must be a whole number" in str(
-        result.exception)
+        result.exception
+    )
 
 
 @pytest.fixture
@@ -277,8 +310,24 @@ def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, ppl_model_
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("A new policy is one small class in its own file. " * 40)
-    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 500, "--policy", "oldest,h2o", "--cache-size", 16,
-            "--chunk-size", 8, "--oldest", 2, "--out", tmp_path / "out"]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        500,
+        "--policy",
+        "oldest,h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--oldest",
+        2,
+        "--out",
+        tmp_path / "out",
+    ]
     ppl_with_oldest.main(args=[str(a) for a in args], standalone_mode=False)
     captured = capsys.readouterr()
     assert "== oldest-16: oldest(oldest=2, recent=14)" in captured.err
@@ -292,6 +341,7 @@ def test_ppl_runs_a_new_policy_and_reports_its_split(ppl_with_oldest, ppl_model_
 
 # -- the hooks ------------------------------------------------------------------------------------------------------
 
+
 def test_ages_count_steps_in_the_cache():
     assert ages(torch.tensor([[[0, 1, 5, 9]]])).tolist() == [[[10, 9, 5, 1]]]
 
@@ -302,8 +352,11 @@ def test_the_last_query_option_scores_only_the_last_query_and_layer_mean_average
     mask = (torch.arange(7) <= torch.arange(4, 7).unsqueeze(-1))[None, None]
     _, every = attend_with_scores(query, key, value, mask, 0.3)
     _, last = attend_with_scores(query, key, value, mask, 0.3, last_query=True)
-    probs = torch.softmax((query.view(1, 2, 2, 3, 8) * 0.3) @ key.unsqueeze(2).transpose(-1, -2)
-                          + torch.where(mask, 0.0, -math.inf).unsqueeze(2), dim=-1)
+    probs = torch.softmax(
+        (query.view(1, 2, 2, 3, 8) * 0.3) @ key.unsqueeze(2).transpose(-1, -2)
+        + torch.where(mask, 0.0, -math.inf).unsqueeze(2),
+        dim=-1,
+    )
     assert torch.allclose(every, probs.sum(dim=(2, 3)), atol=1e-6)
     assert torch.allclose(last, probs[..., -1, :].sum(dim=2), atol=1e-6)
     mean = layer_mean(last, 4)
@@ -314,10 +367,13 @@ def test_a2sf_without_forgetting_and_h2o_sinks_without_sinks_are_h2o():
     model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
     ids = random_ids(90)
     runs = {}
-    for name, spec in [("h2o", make_policy("h2o", 12)), ("a2sf", make_policy("a2sf", 12, alpha=1)),
-                       ("h2o_sinks", make_policy("h2o_sinks", 12, sinks=0))]:
+    for name, spec in [
+        ("h2o", make_policy("h2o", 12)),
+        ("a2sf", make_policy("a2sf", 12, alpha=1)),
+        ("h2o_sinks", make_policy("h2o_sinks", 12, sinks=0)),
+    ]:
         cache = StreamingCache(model, spec)
-        logits = torch.cat([model(ids[:, i:i + 4], cache=cache).logits for i in range(0, 90, 4)], dim=1)
+        logits = torch.cat([model(ids[:, i : i + 4], cache=cache).logits for i in range(0, 90, 4)], dim=1)
         runs[name] = logits, [layer.positions for layer in cache.layers]
     for name in ("a2sf", "h2o_sinks"):
         assert torch.equal(runs[name][0], runs["h2o"][0])
@@ -331,8 +387,10 @@ def test_tova_in_a_chunk_keeps_what_the_last_query_attends_to_most():
     cache = StreamingCache(model, make_policy("tova", 6))
     captured = []
     original = cache.layers[0].after_attention
-    cache.layers[0].after_attention = lambda received, **kwargs: (captured.append(received.clone()),
-                                                                  original(received, **kwargs))
+    cache.layers[0].after_attention = lambda received, **kwargs: (
+        captured.append(received.clone()),
+        original(received, **kwargs),
+    )
     model(ids, cache=cache)
     kept = cache.layers[0].positions[0, 0]
     expected = torch.sort(torch.sort(captured[0][0, 0], descending=True, stable=True).indices[:6]).values
@@ -341,6 +399,7 @@ def test_tova_in_a_chunk_keeps_what_the_last_query_attends_to_most():
 
 
 # -- keys and token ids for `keep` ----------------------------------------------------------------------------------
+
 
 def test_separators_come_from_the_tokenizer(tokenizer):
     ids = separator_ids(tokenizer)
@@ -363,7 +422,7 @@ def test_sepllm_keeps_the_last_separators_of_real_text(tokenizer, model):
     policy = make_policy("sepllm", 16, tokenizer=tokenizer, sinks=2, separators=6)
     cache = StreamingCache(model, policy)
     for t in range(ids.shape[1]):
-        model(ids[:, t:t + 1], cache=cache)
+        model(ids[:, t : t + 1], cache=cache)
     stream = ids[0].tolist()
     kept = cache.layers[1].positions[0, 0].tolist()
     middle_candidates = [p for p in range(2, len(stream) - 8) if stream[p] in policy.separator_ids]
@@ -391,11 +450,11 @@ def test_sepllm_batches_rows_independently_and_saves_its_token_ids(chunk):
 
     def run(rows, cache=None):
         cache = cache or StreamingCache(model, policy)
-        return torch.cat([model(rows[:, i:i + chunk], cache=cache).logits for i in range(0, 60, chunk)], 1), cache
+        return torch.cat([model(rows[:, i : i + chunk], cache=cache).logits for i in range(0, 60, chunk)], 1), cache
 
     batched, cache = run(ids)
     for row in range(2):
-        assert torch.allclose(batched[row], run(ids[row:row + 1])[0][0], atol=1e-4, rtol=0)
+        assert torch.allclose(batched[row], run(ids[row : row + 1])[0][0], atol=1e-4, rtol=0)
     assert not torch.equal(cache.layers[0].positions[0], cache.layers[0].positions[1])
     # a saved cache carries the token ids and continues exactly
     restored = StreamingCache(model, policy)
@@ -410,8 +469,11 @@ def test_policies_without_scores_keep_the_fused_path_and_refuse_chunks_wider_tha
     import h2o_stream.engine.hooks as hooks
 
     model = tiny_model("llama")
-    policy = (make_policy("keydiff", 4) if name == "keydiff"
-              else SepLLMPolicy(sinks=1, separators=1, recent=2, separator_ids=(3,)))
+    policy = (
+        make_policy("keydiff", 4)
+        if name == "keydiff"
+        else SepLLMPolicy(sinks=1, separators=1, recent=2, separator_ids=(3,))
+    )
     cache = StreamingCache(model, policy)
     calls = []
     monkeypatch.setattr(hooks, "attend_with_scores", lambda *a, **k: calls.append(1))
@@ -438,6 +500,7 @@ def test_generate_with_sepllm_matches_a_manual_greedy_loop():
 def test_top_slots_one_entry_cut_equals_the_stable_sort():
     """The one-entry cut (exact mode's usual case) takes a shortcut; it must keep what the stable sort keeps, ties
     going to the older entry, on tie-heavy ranks."""
+
     def by_sort(ranks, count):
         order = torch.sort(ranks, dim=-1, descending=True, stable=True).indices
         return order[..., :count].sort(dim=-1).values
@@ -461,6 +524,12 @@ def test_keep_top_is_sinks_then_the_top_ranks_then_the_recent_window():
         ranks = torch.randint(0, 4, (2, 3, m), generator=generator).double()
         n = sinks + m + recent
         for count in (m - 1, m // 2):
-            expected = torch.cat([torch.arange(sinks).expand(2, 3, sinks), top_slots(ranks, count, start=sinks),
-                                  torch.arange(n - recent, n).expand(2, 3, recent)], dim=-1)
+            expected = torch.cat(
+                [
+                    torch.arange(sinks).expand(2, 3, sinks),
+                    top_slots(ranks, count, start=sinks),
+                    torch.arange(n - recent, n).expand(2, 3, recent),
+                ],
+                dim=-1,
+            )
             assert torch.equal(keep_top(ranks, count, sinks=sinks, recent=recent), expected)

@@ -23,8 +23,24 @@ def mtime(path) -> int:
 
 def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 4000, "--policy", "h2o", "--cache-size", 16,
-            "--chunk-size", 8, "--checkpoint-every", 64, "--threads", 1]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        4000,
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--checkpoint-every",
+        64,
+        "--threads",
+        1,
+    ]
     run_to_end(ppl_command(*args, "--out", tmp_path / "whole"))
     out = tmp_path / "out"
     checkpoint = out / "h2o-16.ckpt"
@@ -32,8 +48,9 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
     resume = [*first, "--resume"]
 
     # 1. SIGKILL halfway through a checkpoint write (the writer pauses there: a test hook), once a good one exists
-    process = subprocess.Popen(first, env=subprocess_env(**{WRITE_DELAY_ENV: "1"}), stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        first, env=subprocess_env(**{WRITE_DELAY_ENV: "1"}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     partials = lambda: list(out.glob("h2o-16.ckpt.*.tmp.ckpt"))  # noqa: E731
     wait_for(lambda: checkpoint.exists() and partials(), "a second checkpoint write", process)
     process.kill()
@@ -46,8 +63,12 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
     rng = random.Random(7)
     for _ in range(2):
         before = mtime(checkpoint)
-        process = subprocess.Popen(resume, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        process = subprocess.Popen(
+            resume,
+            env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         wait_for(lambda before=before: mtime(checkpoint) != before, "progress", process)
         time.sleep(rng.uniform(0, 0.3))
         process.kill()
@@ -57,8 +78,13 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
     command = resume
     for signum in (signal.SIGINT, signal.SIGTERM):
         before = mtime(checkpoint)
-        process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
-                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        process = subprocess.Popen(
+            command,
+            env=subprocess_env(**{WRITE_DELAY_ENV: "0.05"}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         wait_for(lambda before=before: mtime(checkpoint) != before, "progress", process)
         time.sleep(rng.uniform(0, 0.2))
         process.send_signal(signum)
@@ -66,8 +92,9 @@ def test_killed_and_interrupted_runs_resume_bit_identically(ppl_model_dir, tmp_p
         assert process.returncode == 128 + signum, stderr
         lines = stderr.strip().splitlines()
         position = read_verified(checkpoint, CHECKPOINT_KIND, CHECKPOINT_VERSION)["position"]
-        assert lines[-2] == (f"interrupted by {signal.Signals(signum).name}: h2o-16 checkpointed at token "
-                             f"{position:,}. Continue with:"), stderr
+        assert lines[-2] == (
+            f"interrupted by {signal.Signals(signum).name}: h2o-16 checkpointed at token {position:,}. Continue with:"
+        ), stderr
         printed = shlex.split(lines[-1])
         assert printed[0] == "h2o-stream" and printed[1:] == [str(a) for a in resume[3:]], printed
         command = [sys.executable, "-m", "h2o_stream", *printed[1:]]

@@ -48,8 +48,12 @@ def test_the_crafted_payload_really_runs_code_when_loaded_unsafely(tmp_path):
 
 
 def test_round_trip_of_plain_data(tmp_path):
-    data = {"a": torch.arange(5), "b": [1, 2.5, "x", None, (3, 4.0)], "c": {"d": torch.zeros(2, dtype=torch.float64)},
-            "e": True}
+    data = {
+        "a": torch.arange(5),
+        "b": [1, 2.5, "x", None, (3, 4.0)],
+        "c": {"d": torch.zeros(2, dtype=torch.float64)},
+        "e": True,
+    }
     write_verified(tmp_path / "f", KIND, 3, data)
     back = read_verified(tmp_path / "f", KIND, 3)
     assert torch.equal(back["a"], data["a"]) and back["b"] == data["b"] and back["e"] is True
@@ -107,11 +111,25 @@ def test_remove_partials_removes_only_what_killed_writers_left(tmp_path):
 
 # -- through the command ------------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def checkpointed(ppl_model_dir, tmp_path, capsys):
     out = tmp_path / "out"
-    args = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
-            "--cache-size", 16, "--chunk-size", 8, "--out", out, "--tokens"]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--out",
+        out,
+        "--tokens",
+    ]
     assert ppl(capsys, *args, 300)[0] == 0
     return args, out
 

@@ -13,13 +13,24 @@ from ppl_helpers import ppl_error, write_corpus
 
 @pytest.fixture
 def base(ppl_model_dir, tmp_path):
-    return ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 300,
-            "--chunk-size", 8, "--out", tmp_path / "out"]
+    return [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--tokens",
+        300,
+        "--chunk-size",
+        8,
+        "--out",
+        tmp_path / "out",
+    ]
 
 
 def test_cache_size_says_integers(base, capsys):
     assert "--cache-size must be a comma-separated list of integers, got 'abc'" in ppl_error(
-        capsys, *base, "--cache-size", "abc")
+        capsys, *base, "--cache-size", "abc"
+    )
 
 
 @pytest.mark.parametrize("policies, part", [("h2o", "--sinks"), ("sink,window", "--heavy"), ("full", "--recent")])
@@ -28,11 +39,17 @@ def test_a_budget_part_no_policy_takes_is_refused(base, capsys, policies, part):
     assert f"{part} does not apply to {policies.replace(',', ', ')}" in message
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--policy", "sink", "--cache-size", "16,100000"], "cache size 100000 does not fit the model's context of 1024"),
-    (["--policy", "h2o", "--cache-size", "16,4"], "a chunk of 8 tokens over a cache of 4"),
-    (["--policy", "sink,full", "--cache-size", "16", "--no-rolling", "--tokens", 1025], "1024 tokens fit in all"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--policy", "sink", "--cache-size", "16,100000"],
+            "cache size 100000 does not fit the model's context of 1024",
+        ),
+        (["--policy", "h2o", "--cache-size", "16,4"], "a chunk of 8 tokens over a cache of 4"),
+        (["--policy", "sink,full", "--cache-size", "16", "--no-rolling", "--tokens", 1025], "1024 tokens fit in all"),
+    ],
+)
 def test_every_run_is_validated_before_the_first_one_starts(base, tmp_path, capsys, args, message):
     assert message in ppl_error(capsys, *base, *args)
     out = tmp_path / "out"
@@ -43,6 +60,7 @@ def test_every_run_is_validated_before_the_first_one_starts(base, tmp_path, caps
 def no_network(monkeypatch):
     """No name resolves, as on a machine without network (huggingface_hub would retry for a minute), and no proxy
     (behind one the download is left to try). Offline mode is off: conftest removes the user's HF_HUB_OFFLINE."""
+
     def unresolvable(*args, **kwargs):
         raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
 

@@ -18,8 +18,20 @@ from ppl_helpers import ppl, ppl_error, result, snapshot, write_corpus
 @pytest.fixture
 def base(ppl_model_dir, tmp_path):
     """Arguments of a short h2o run, without --out."""
-    return ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--policy", "h2o",
-            "--cache-size", 16, "--chunk-size", 8, "--tokens", 300]
+    return [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        write_corpus(tmp_path / "corpus.jsonl"),
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--tokens",
+        300,
+    ]
 
 
 @pytest.fixture
@@ -34,6 +46,7 @@ def no_model_load(monkeypatch):
 
 
 # -- one run per --out ----------------------------------------------------------------------------------
+
 
 def test_a_second_run_into_a_held_directory_names_the_holder(base, tmp_path, capsys, no_model_load):
     out = tmp_path / "out"
@@ -50,6 +63,7 @@ def test_the_lock_is_released_after_a_run(base, tmp_path, capsys):
 
 
 # -- an unusable --out fails before the model loads; a full disk keeps the last good checkpoint ----------
+
 
 def read_only_directory(tmp_path) -> Path:
     """A directory this process cannot write into (root ignores permission bits; /sys refuses even root)."""
@@ -68,8 +82,7 @@ def test_a_read_only_out_fails_before_the_model_loads(base, tmp_path, capsys, no
 
 
 @pytest.mark.parametrize("where, message", [("file.txt", "is a file"), ("file.txt/out", "which is a file")])
-def test_an_out_at_or_under_a_file_fails_before_the_model_loads(base, tmp_path, capsys, no_model_load, where,
-                                                                 message):
+def test_an_out_at_or_under_a_file_fails_before_the_model_loads(base, tmp_path, capsys, no_model_load, where, message):
     (tmp_path / "file.txt").write_text("not a directory")
     assert message in ppl_error(capsys, *base, "--out", tmp_path / where)
 
@@ -95,6 +108,7 @@ def test_a_full_disk_keeps_the_last_good_checkpoint_and_leaves_no_partial_file(b
 
 
 # -- reports cover every run in --out and never silently replace another call's ---------------------------
+
 
 def test_reports_cover_every_run_in_the_directory(base, tmp_path, capsys):
     out = tmp_path / "out"

@@ -32,13 +32,28 @@ def corpus(tmp_path):
 def finished(ppl_model_dir, corpus, tmp_path, capsys):
     """A finished 300-token h2o run in tmp_path/out; (its arguments without --tokens/--resume, out)."""
     out = tmp_path / "out"
-    args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16, "--chunk-size", 8,
-            "--checkpoint-every", 64, "--out", out]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--policy",
+        "h2o",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--checkpoint-every",
+        64,
+        "--out",
+        out,
+    ]
     assert ppl(capsys, *args, "--tokens", 300)[0] == 0
     return args, out
 
 
 # -- a run is bound to its corpus, model, dtype and settings ------------------------------------------------
+
 
 def test_resume_refuses_another_corpus_under_the_same_name(finished, corpus, capsys):
     args, out = finished
@@ -78,9 +93,11 @@ def test_a_resumed_run_says_where_it_resumed_and_why(finished, capsys):
     code, _, err = ppl(capsys, *args, "--tokens", 600, "--resume")
     assert code == 0, err
     # 300 tokens were asked for first, in forwards of 256: the checkpoint before the last, cut-short forward (256)
-    assert (f"resumed at token 256: the tokens before it were scored by an earlier run, whose checkpoint is "
-            f"{out / 'h2o-16.ckpt'} (that run went on to token 300: it checkpoints before a last forward cut short "
-            "by --tokens, so that a longer run makes that forward whole)") in err
+    assert (
+        f"resumed at token 256: the tokens before it were scored by an earlier run, whose checkpoint is "
+        f"{out / 'h2o-16.ckpt'} (that run went on to token 300: it checkpoints before a last forward cut short "
+        "by --tokens, so that a longer run makes that forward whole)"
+    ) in err
 
 
 def test_the_same_corpus_at_another_path_resumes(finished, corpus, tmp_path, capsys):
@@ -126,6 +143,7 @@ def test_results_record_what_they_are_bound_to(finished, corpus):
 
 # -- a finished run is never replaced by a shorter one ------------------------------------------------------
 
+
 def test_resume_with_fewer_tokens_refuses_and_keeps_the_finished_result(finished, capsys):
     args, out = finished
     before = snapshot(out)
@@ -137,6 +155,7 @@ def test_resume_with_fewer_tokens_refuses_and_keeps_the_finished_result(finished
 
 
 # -- extending a run equals one uninterrupted run, for any --tokens and --checkpoint-every -------------------
+
 
 @pytest.fixture(scope="module")
 def tiny_lm():
@@ -171,7 +190,6 @@ def test_extending_equals_one_run_for_any_tokens_and_checkpoint_pace(tiny_lm, po
         assert extended.curve == whole.curve and extended.predicted == whole.predicted
 
 
-
 def test_memory_is_sampled_within_each_process_of_a_resumed_run(tiny_lm, tmp_path):
     """RSS is sampled at doublings of the stream position and of the tokens the current process fed, and at the
     end, and each resume records where its process began: growth can then be read within one process."""
@@ -194,12 +212,29 @@ def test_memory_is_sampled_within_each_process_of_a_resumed_run(tiny_lm, tmp_pat
     write_verified(checkpoint, CHECKPOINT_KIND, CHECKPOINT_VERSION, state)
     assert extend(tiny_lm, "h2o", books, checkpoint, 330, 16, span=16).process_starts == [320]
 
+
 # -- nothing to predict is an error, and no JSON file ever holds NaN ----------------------------------------
+
 
 def test_skip_tokens_past_the_end_is_an_error_and_writes_nothing(ppl_model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "out"
-    message = ppl_error(capsys, "--model", ppl_model_dir, "--data", corpus, "--skip-tokens", 10**6, "--policy", "sink",
-                        "--cache-size", 16, "--chunk-size", 8, "--out", out)
+    message = ppl_error(
+        capsys,
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--skip-tokens",
+        10**6,
+        "--policy",
+        "sink",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--out",
+        out,
+    )
     assert "nothing to predict" in message and "--skip-tokens 1,000,000" in message
     assert not list(out.glob("*.json")) and not list(out.glob("*.ckpt"))
 
@@ -208,11 +243,25 @@ def test_a_one_token_file_is_an_error(model_dir, tmp_path, capsys):
     """The conftest tokenizer adds no BOS: a one-character file is one token, and nothing follows it."""
     corpus = tmp_path / "one.txt"
     corpus.write_text("a")
-    message = ppl_error(capsys, "--model", model_dir, "--data", corpus, "--policy", "sink", "--cache-size", 16,
-                        "--chunk-size", 8, "--out", tmp_path / "out")
+    message = ppl_error(
+        capsys,
+        "--model",
+        model_dir,
+        "--data",
+        corpus,
+        "--policy",
+        "sink",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        8,
+        "--out",
+        tmp_path / "out",
+    )
     assert "nothing to predict" in message and "has 1 token(s)" in message
-    assert "--tokens must be at least 2" in ppl_error(capsys, "--model", model_dir, "--data", corpus, "--tokens", 1,
-                                                      "--out", tmp_path / "out")
+    assert "--tokens must be at least 2" in ppl_error(
+        capsys, "--model", model_dir, "--data", corpus, "--tokens", 1, "--out", tmp_path / "out"
+    )
 
 
 def test_json_is_written_strictly(tmp_path):

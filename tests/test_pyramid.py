@@ -44,7 +44,7 @@ def test_each_layer_holds_its_own_budget_and_all_of_them_the_budget_in_every_lay
     cache = StreamingCache(model, policy)
     ids = random_ids(120)
     for t in range(0, 120, 4):
-        model(ids[:, t:t + 4], cache=cache)
+        model(ids[:, t : t + 4], cache=cache)
     budgets = [layer.policy.budget for layer in cache.layers]
     assert budgets == [4 + b for b in pyramid_budgets(12, 4, 3)] and budgets[0] > budgets[-1]
     cache.settle()  # a fair chunk leaves its last cut (one entry) to the next chunk
@@ -63,7 +63,7 @@ def test_a_flat_schedule_is_snapkv_token_for_token(chunk):
     runs = []
     for policy in (make_policy("pyramid", 12, recent=4, beta=1), make_policy("snapkv", 12, recent=4)):
         cache = StreamingCache(model, policy)
-        logits = torch.cat([model(ids[:, i:i + chunk], cache=cache).logits for i in range(0, 96, chunk)], dim=1)
+        logits = torch.cat([model(ids[:, i : i + chunk], cache=cache).logits for i in range(0, 96, chunk)], dim=1)
         runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
     (flat, flat_kept, evicted), (snap, snap_kept, snap_evicted) = runs
     assert evicted > 0 and evicted == snap_evicted
@@ -83,7 +83,7 @@ def test_sliding_window_layers_keep_their_window_and_the_schedule_spreads_over_t
             assert cache.layers[i].policy.name == "window"
     ids = random_ids(60)
     for t in range(0, 60, 3):
-        model(ids[:, t:t + 3], cache=cache)
+        model(ids[:, t : t + 3], cache=cache)
     cache.settle()
     assert [cache.layers[i].slots for i in global_layers] == budgets
 
@@ -107,13 +107,16 @@ def test_a_chunk_wider_than_the_smallest_layer_is_refused():
         model(random_ids(5, seed=2), cache=cache)
 
 
-@pytest.mark.parametrize("given, message", [
-    (dict(beta=0), r"beta must be a whole number in \(0, 1000\], got 0"),
-    (dict(beta=2.5), r"beta must be a whole number"),
-    (dict(kernel=0), r"kernel must be an odd whole number in \(0, 4095\], got 0"),
-    (dict(kernel=4), r"kernel must be an odd whole number"),
-    (dict(observation=-1), r"observation \(0: the recent window's length\) must be a whole number"),
-])
+@pytest.mark.parametrize(
+    "given, message",
+    [
+        (dict(beta=0), r"beta must be a whole number in \(0, 1000\], got 0"),
+        (dict(beta=2.5), r"beta must be a whole number"),
+        (dict(kernel=0), r"kernel must be an odd whole number in \(0, 4095\], got 0"),
+        (dict(kernel=4), r"kernel must be an odd whole number"),
+        (dict(observation=-1), r"observation \(0: the recent window's length\) must be a whole number"),
+    ],
+)
 def test_bad_settings_are_refused(given, message):
     with pytest.raises(H2OStreamError, match=message):
         make_policy("pyramid", 64, **given)
@@ -135,7 +138,7 @@ def test_in_steady_state_no_forward_rebuilds_a_rotation_table():
     handle = model.model.rotary_emb.register_forward_hook(lambda *args: calls.append(1))
     try:
         for t in range(0, 200, 4):
-            model(ids[:, t:t + 4], cache=cache)
+            model(ids[:, t : t + 4], cache=cache)
             if t == 120:
                 calls.clear()  # warm: every layer full, every table made
     finally:

@@ -14,9 +14,11 @@ from click.testing import CliRunner
 from eval.render import render
 
 REPO = Path(__file__).resolve().parents[1]
-README = ("# A page\r\nSome text the renderer must keep,  with two spaces and a CRLF.\n\n<!-- render:headline -->\n"
-          "stale headline\n<!-- /render:headline -->\nbetween blocks\n\n<!-- render:leaderboard -->\n"
-          "<!-- /render:leaderboard -->\n<!-- render:speed -->\nold\nold\n<!-- /render:speed -->\ntrailing, no newline")
+README = (
+    "# A page\r\nSome text the renderer must keep,  with two spaces and a CRLF.\n\n<!-- render:headline -->\n"
+    "stale headline\n<!-- /render:headline -->\nbetween blocks\n\n<!-- render:leaderboard -->\n"
+    "<!-- /render:leaderboard -->\n<!-- render:speed -->\nold\nold\n<!-- /render:speed -->\ntrailing, no newline"
+)
 
 
 def outside_blocks(text: str) -> list[str]:

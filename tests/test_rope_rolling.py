@@ -61,7 +61,7 @@ def test_unrotate_inverts_the_models_rotation_with_partial_rotary():
     model = tiny_model("phi3")
     roller = RopeRoller.for_model(model)
     raw = torch.randn(1, 2, 5, 16)
-    rotated = torch.cat([rotate_like_the_model(model, raw[:, :, i:i + 1], 7 + i) for i in range(5)], dim=2)
+    rotated = torch.cat([rotate_like_the_model(model, raw[:, :, i : i + 1], 7 + i) for i in range(5)], dim=2)
     assert torch.allclose(roller.unrotate(rotated, 7, 12), raw, atol=1e-6)
     assert torch.equal(roller.unrotate(rotated, 7, 12)[..., 8:], raw[..., 8:])  # the pass-through half is untouched
 

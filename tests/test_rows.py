@@ -41,7 +41,7 @@ def test_each_row_equals_its_cache_alone(kv_heads, spread):
     ids = (torch.randperm(VOCAB - 2, generator=torch.Generator().manual_seed(spread))[:90] + 2).unsqueeze(0)
     evicted = False
     for start in range(0, ids.shape[1], 5):
-        piece = ids[:, start:start + 5]
+        piece = ids[:, start : start + 5]
         logits = model(piece.expand(len(rows), -1), cache=batch).logits
         for i, cache in enumerate(alone):
             assert torch.allclose(logits[i], model(piece, cache=cache).logits[0], atol=1e-9), cache.policy.describe()
@@ -114,13 +114,11 @@ def test_ppl_rows_equal_runs_alone_and_resume(ppl_model_dir, tmp_path):
     """`ppl --rows 3` (two groups: one of three runs, one of one) equals the runs alone; a finished rows sweep
     extended with --resume and more --tokens equals one uninterrupted run; --workers 2 --rows 2 also."""
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o,sink", "--cache-size", "16,24",
-            "--threads", 1]
+    args = ["--model", ppl_model_dir, "--data", corpus, "--policy", "h2o,sink", "--cache-size", "16,24", "--threads", 1]
     names = ["h2o-16", "h2o-24", "sink-16", "sink-24"]
     run_to_end(ppl_command(*args, "--tokens", 700, "--out", tmp_path / "alone", "--workers", 1))
     run_to_end(ppl_command(*args, "--tokens", 300, "--out", tmp_path / "rows", "--workers", 1, "--rows", 3))
-    run_to_end(ppl_command(*args, "--tokens", 700, "--out", tmp_path / "rows", "--workers", 1, "--rows", 3,
-                           "--resume"))
+    run_to_end(ppl_command(*args, "--tokens", 700, "--out", tmp_path / "rows", "--workers", 1, "--rows", 3, "--resume"))
     rows = {name: json.loads((tmp_path / "rows" / f"{name}.json").read_text())["rows"] for name in names}
     assert sorted(rows.values()) == [1, 3, 3, 3]
     assert_same_runs(tmp_path / "alone", tmp_path / "rows", 4, per_token=1e-5)

@@ -44,11 +44,11 @@ def _feed_both(policy, *, kv_heads, rolling, step, forward, wide_chunks=False, l
     plain = StreamingCache(model, spec, rolling=rolling, wide_chunks=wide_chunks)
     ids = stream_for(spec, length or 10 * budget, seed=kv_heads + step, vocab=VOCAB)
     for start in range(0, ids.shape[1], forward):
-        piece = ids[:, start:start + forward]
+        piece = ids[:, start : start + forward]
         wide_logits = model(piece, cache=scanned).logits[0]
         logits, offset = [], 0
         for size in _grid_pieces(start, piece.shape[1], step):
-            logits.append(model(piece[:, offset:offset + size], cache=plain).logits[0])
+            logits.append(model(piece[:, offset : offset + size], cache=plain).logits[0])
             offset += size
         yield scanned, plain, wide_logits, torch.cat(logits)
 
@@ -94,8 +94,9 @@ def test_a_scan_of_single_tokens_is_exact_mode(policy):
 
 
 def test_a_scan_with_wide_chunks_equals_its_blocks():
-    for scanned, plain, wide, blocks in _feed_both("h2o", kv_heads=2, rolling=True, step=4, forward=12,
-                                                   wide_chunks=True):
+    for scanned, plain, wide, blocks in _feed_both(
+        "h2o", kv_heads=2, rolling=True, step=4, forward=12, wide_chunks=True
+    ):
         assert torch.allclose(wide, blocks, atol=1e-9, rtol=0)
         _same_entries(scanned, plain)
     assert scanned.max_keys_seen == 8 + 4
@@ -104,6 +105,7 @@ def test_a_scan_with_wide_chunks_equals_its_blocks():
 def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
     """A scanned forward runs one attention per block; a band policy (exact at any width) runs one per forward."""
     from h2o_stream.engine import hooks
+
     calls = []
     scan = hooks._scan
     monkeypatch.setattr(hooks, "_scan", lambda layer, *a: calls.append(list(layer.scan)) or scan(layer, *a))
@@ -116,7 +118,6 @@ def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
     assert calls == []
 
 
-
 def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
     """40 layers' bookkeeping for `spec` at budget 16 (17-20 entries, few score values: many ties) and the cut of
     each (`reduced`, down to 16 + 1 - reductions): yields (positions, scores, needed extras, reduced policy)."""
@@ -126,8 +127,10 @@ def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
         positions = torch.arange(100, 100 + n).expand(2, 3, n)  # ascending stream positions, as the cache keeps them
         moments = spec.score_moments  # roco: sums and sums of squares; snapkv: one column per observed query
         scores = torch.randint(0, 4, (2, 3, n, *moments), generator=generator).double()  # few values: many ties
-        extra = {"keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
-                 "tokens": torch.randint(0, 8, (2, 3, n), generator=generator)}  # ids 3 and 4 are separators
+        extra = {
+            "keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
+            "tokens": torch.randint(0, 8, (2, 3, n), generator=generator),
+        }  # ids 3 and 4 are separators
         if equal_keys:
             extra["keys"][:, :, 9] = extra["keys"][:, :, 5]  # equal similarities (keydiff), the older one first
         taken = {k: v for k, v in extra.items() if getattr(spec, f"needs_{k}")}
@@ -136,8 +139,11 @@ def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
 
 def _keep_among(p, slots, positions, scores, taken):
     """p's choice among the entries at `slots` (1-D), as slots of that subset."""
-    return p.keep(positions[..., slots], scores[:, :, slots] if p.needs_scores else None,
-                  **{k: v[:, :, slots] for k, v in taken.items()})
+    return p.keep(
+        positions[..., slots],
+        scores[:, :, slots] if p.needs_scores else None,
+        **{k: v[:, :, slots] for k, v in taken.items()},
+    )
 
 
 @pytest.mark.parametrize("policy", UNBANDED)
@@ -182,6 +188,7 @@ def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, both_at_once)
     cuts nest, cuts with the reduced policy alone; keydiff, whose cuts do not, makes the previous block's cut and its
     own at once (`keep_twice`) from the second block on."""
     from h2o_stream.engine.layer import StreamingLayer
+
     model = tiny_model("llama")
     cache = StreamingCache(model, build(policy, 8), decide_every=4)
     model(random_ids(8), cache=cache)
@@ -215,13 +222,15 @@ def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_pe
     from h2o_stream.apps.perplexity.run import PerplexityRun
     from h2o_stream.apps.perplexity.stream import token_pieces
     from tiny_models import char_tokenizer
+
     model, tokenizer = tiny_model("llama", init_std=0.2).double(), char_tokenizer()
     text = "The quick brown fox, it said; jumps over the lazy dog.\n" * 12
     books = [text[:301], text[:77], text[:420]]
     runs = {}
     for span in (None, 8):
-        run = PerplexityRun(model, build("tova", 32), chunk_size=8, span=span, reset_per_book=reset_per_book,
-                            record_tokens=True)
+        run = PerplexityRun(
+            model, build("tova", 32), chunk_size=8, span=span, reset_per_book=reset_per_book, record_tokens=True
+        )
         run.run(token_pieces(books, tokenizer))
         runs[run.span] = run
     scanned, plain = runs[256], runs[8]
@@ -234,6 +243,7 @@ def test_ppl_scans_by_default_with_the_results_of_one_forward_per_chunk(reset_pe
 def test_a_scanned_cache_takes_forwards_wider_than_its_budget():
     """Decisions, not forwards, are what the budget limits: `feed` sends 40-token forwards into a cache of 8."""
     from h2o_stream.engine.feed import feed
+
     model = tiny_model("llama").double()
     ids = random_ids(120)
     scanned = StreamingCache(model, build("h2o", 8), decide_every=4)

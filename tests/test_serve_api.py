@@ -31,8 +31,9 @@ def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer, tmp_path_factory):
-    with served(model, tokenizer, tmp_path_factory.mktemp("state"), limits=Limits(max_tokens=4096,
-                                                                               max_messages=50)) as running:
+    with served(
+        model, tokenizer, tmp_path_factory.mktemp("state"), limits=Limits(max_tokens=4096, max_messages=50)
+    ) as running:
         yield running
 
 
@@ -58,19 +59,31 @@ def test_completions_streamed_and_not_give_the_same_reply(server, model, tokeniz
 
 def test_max_tokens_stop_texts_and_sampling_fields_are_honoured(server):
     client = server.client()
-    response = client.chat.completions.create(model=MODEL, messages=conversation([], "two plus two"),
-                                              temperature=0, max_tokens=5)
+    response = client.chat.completions.create(
+        model=MODEL, messages=conversation([], "two plus two"), temperature=0, max_tokens=5
+    )
     assert response.usage.completion_tokens == 5 and response.choices[0].finish_reason == "length"
     text = reply_of(response)
     cut = text[2:4] if len(text.strip()) >= 4 else None
     if cut and cut.strip():  # a stop text taken from the greedy reply itself: the reply ends before it
-        stopped = client.chat.completions.create(model=MODEL, messages=conversation([], "two plus two"),
-                                                 temperature=0, max_tokens=20, stop=[cut])
-        assert reply_of(stopped) == text[:text.index(cut)] and stopped.choices[0].finish_reason == "stop"
-    sampled = [reply_of(client.chat.completions.create(model=MODEL, messages=conversation([], "hello"),
-                                                       temperature=1.0, top_p=0.9, seed=7, max_tokens=6,
-                                                       extra_body={"top_k": 20, "repetition_penalty": 1.2}))
-               for _ in range(2)]
+        stopped = client.chat.completions.create(
+            model=MODEL, messages=conversation([], "two plus two"), temperature=0, max_tokens=20, stop=[cut]
+        )
+        assert reply_of(stopped) == text[: text.index(cut)] and stopped.choices[0].finish_reason == "stop"
+    sampled = [
+        reply_of(
+            client.chat.completions.create(
+                model=MODEL,
+                messages=conversation([], "hello"),
+                temperature=1.0,
+                top_p=0.9,
+                seed=7,
+                max_tokens=6,
+                extra_body={"top_k": 20, "repetition_penalty": 1.2},
+            )
+        )
+        for _ in range(2)
+    ]
     assert sampled[0] == sampled[1]  # a seed makes a sampled reply repeatable
 
 
@@ -94,8 +107,11 @@ BAD_BODIES = [
     (b'{"model": "tiny"}', 400, "messages"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": 5}]}', 400, "messages.0.content"),
     (b'{"model": "tiny", "messages": [{"role": "assistant", "content": "hi"}]}', 400, "role 'assistant'"),
-    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}', 400,
-     "in turn"),
+    (
+        b'{"model": "tiny", "messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+        400,
+        "in turn",
+    ),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "  "}]}', 400, "empty"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "n must be 1"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}', 400, "temperature"),
@@ -126,8 +142,9 @@ def test_bad_fields_through_the_client_are_4xx_and_the_server_goes_on(server):
     with pytest.raises(openai.BadRequestError, match="too many messages"):
         client.chat.completions.create(model=MODEL, messages=conversation([("q", "a")] * 30, "hi"))
     with pytest.raises(openai.BadRequestError, match="X-Conversation-Id"):
-        client.chat.completions.create(model=MODEL, messages=conversation([], "hi"),
-                                       extra_headers={"X-Conversation-Id": "no spaces allowed"})
+        client.chat.completions.create(
+            model=MODEL, messages=conversation([], "hi"), extra_headers={"X-Conversation-Id": "no spaces allowed"}
+        )
     assert raw(f"{server.url}/nowhere")[1]["error"]["message"].startswith("no such route")
     assert client.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY).choices
 
@@ -138,8 +155,9 @@ def test_a_client_gone_mid_stream_stops_the_turn_and_the_conversation_stays_whol
     turns = [("hello", reply_of(first))]
     conversation_id = extra(first)["conversation"]
     record = server.store.records[conversation_id]
-    stream = client.chat.completions.create(model=MODEL, messages=conversation(turns, "tell me more"),
-                                            temperature=0, max_tokens=4000, stream=True)
+    stream = client.chat.completions.create(
+        model=MODEL, messages=conversation(turns, "tell me more"), temperature=0, max_tokens=4000, stream=True
+    )
     next(iter(stream))
     stream.close()  # the client goes away after the first chunk of a long reply
     worker = server.service.worker
@@ -159,8 +177,9 @@ def test_conversations_stream_side_by_side(server, model, tokenizer):
 
     def talk(k):
         messages = conversation([], f"hello {k}", system=f"helper {k}")
-        results[k] = streamed(server.client().chat.completions.create(model=MODEL, messages=messages, stream=True,
-                                                                      **GREEDY))[0]
+        results[k] = streamed(
+            server.client().chat.completions.create(model=MODEL, messages=messages, stream=True, **GREEDY)
+        )[0]
 
     threads = [threading.Thread(target=talk, args=(k,)) for k in range(4)]
     for thread in threads:
@@ -173,8 +192,9 @@ def test_conversations_stream_side_by_side(server, model, tokenizer):
 def test_requests_beyond_the_queue_get_429_and_the_server_goes_on(model, tokenizer, tmp_path):
     with served(model, tokenizer, tmp_path, max_queue=1) as running:
         client = running.client()
-        long = client.chat.completions.create(model=MODEL, messages=conversation([], "hello"), temperature=0,
-                                              max_tokens=4000, stream=True)
+        long = client.chat.completions.create(
+            model=MODEL, messages=conversation([], "hello"), temperature=0, max_tokens=4000, stream=True
+        )
         next(iter(long))  # under way, and the only request the queue takes
         with pytest.raises(openai.RateLimitError) as refused:
             client.chat.completions.create(model=MODEL, messages=conversation([], "hi"), **GREEDY)
@@ -196,8 +216,7 @@ def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer, monke
     monkeypatch.setenv("H2O_STREAM_CHAT_HISTORY", "")
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world\n/stats\ntwo plus two\n/save x.session\n"))
     with pytest.raises(SystemExit) as done:
-        main(["chat", "--server", server.url, "--temperature", "0", "--max-new-tokens", "4", "--system",
-              "repl helper"])
+        main(["chat", "--server", server.url, "--temperature", "0", "--max-new-tokens", "4", "--system", "repl helper"])
     out, err = capsys.readouterr()
     ref = reference(model, tokenizer, system="repl helper")
     replies = [ref.chat("hello world").text, ref.chat("two plus two").text]
@@ -208,5 +227,9 @@ def test_the_chat_repl_talks_to_a_running_server(server, model, tokenizer, monke
     with pytest.raises(SystemExit) as nobody:
         main(["chat", "--server", "http://127.0.0.1:1"])
     assert nobody.value.code == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(
-        "Error: cannot reach a server at http://127.0.0.1:1/v1")
+    assert (
+        capsys.readouterr()
+        .err.strip()
+        .splitlines()[-1]
+        .startswith("Error: cannot reach a server at http://127.0.0.1:1/v1")
+    )

@@ -6,8 +6,12 @@ from __future__ import annotations
 from h2o_stream.apps.chat.formats import chat_format
 from serve_helpers import CACHE, GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
 
-TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "turn number one two three",
-                  "You are a helpful AI assistant named SmolLM, trained by Hugging Face", "user assistant system"]
+TRAINING_TEXTS = [
+    "hello world, what is two plus two? the answer is four.",
+    "turn number one two three",
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face",
+    "user assistant system",
+]
 
 
 def test_a_30_turn_conversation_feeds_only_its_new_tokens_and_keeps_its_cache_size(model, tokenizer, tmp_path):
@@ -20,13 +24,16 @@ def test_a_30_turn_conversation_feeds_only_its_new_tokens_and_keeps_its_cache_si
         for i in range(30):
             message = f"turn {i}: what is two plus two?"
             if i % 2:  # every other turn streamed
-                stream = client.chat.completions.create(model=MODEL, messages=conversation(turns, message),
-                                                        stream=True, stream_options={"include_usage": True},
-                                                        **GREEDY)
+                stream = client.chat.completions.create(
+                    model=MODEL,
+                    messages=conversation(turns, message),
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    **GREEDY,
+                )
                 text, info, usage = streamed(stream)
             else:
-                response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message),
-                                                          **GREEDY)
+                response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message), **GREEDY)
                 text, info, usage = reply_of(response), extra(response), response.usage
             expected = ref.chat(message)
             assert text == expected.text  # the same reply as a chat session that saw the same turns
@@ -48,8 +55,7 @@ def test_a_30_turn_conversation_feeds_only_its_new_tokens_and_keeps_its_cache_si
 
 
 def _run(client, turns, message, **kwargs):
-    response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message), **GREEDY,
-                                              **kwargs)
+    response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message), **GREEDY, **kwargs)
     return reply_of(response), extra(response), response
 
 
@@ -114,8 +120,8 @@ def test_conversations_beyond_the_memory_bound_resume_from_their_files_exactly(m
             for k in range(3):
                 message = f"round {round_}, hello world"
                 response = client.chat.completions.create(
-                    model=MODEL, messages=conversation(histories[k], message, system=f"You are helper {k}."),
-                    **GREEDY)
+                    model=MODEL, messages=conversation(histories[k], message, system=f"You are helper {k}."), **GREEDY
+                )
                 assert reply_of(response) == refs[k].chat(message).text
                 info = extra(response)
                 assert info["reused_turns"] == round_ and info["replayed_turns"] == 0

@@ -22,13 +22,13 @@ TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "use
 
 
 def _talk(client, turns, message, **kwargs):
-    response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message), **GREEDY,
-                                              **kwargs)
+    response = client.chat.completions.create(model=MODEL, messages=conversation(turns, message), **GREEDY, **kwargs)
     return reply_of(response), extra(response)
 
 
-def test_sigkill_during_a_streamed_reply_then_restart_every_conversation_continues(model, tokenizer, model_dir,
-                                                                                    tmp_path):
+def test_sigkill_during_a_streamed_reply_then_restart_every_conversation_continues(
+    model, tokenizer, model_dir, tmp_path
+):
     histories, seen = {}, {}
     with served(model, tokenizer, tmp_path) as server:
         client = server.client()
@@ -43,8 +43,9 @@ def test_sigkill_during_a_streamed_reply_then_restart_every_conversation_continu
     process, url = serve_process(model_dir, tmp_path, env={WRITE_DELAY_ENV: "60"})
     try:
         client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
-        stream = client.chat.completions.create(model=MODEL, messages=conversation(histories[0], "one more"),
-                                                stream=True, temperature=0, max_tokens=4)
+        stream = client.chat.completions.create(
+            model=MODEL, messages=conversation(histories[0], "one more"), stream=True, temperature=0, max_tokens=4
+        )
         received = []
         for chunk in stream:  # the reply's text arrives; its last chunk would follow the save
             if chunk.choices and chunk.choices[0].delta.content:
@@ -94,8 +95,11 @@ def test_a_full_disk_while_saving_keeps_the_last_good_file(model, tokenizer, tmp
             assert "No space left on device" in refused.value.message
             assert "stays at its last completed turn" in refused.value.message
             with pytest.raises(openai.APIError, match="No space left on device"):  # streamed: an error event
-                list(client.chat.completions.create(model=MODEL, messages=conversation(turns, "and now?"),
-                                                    stream=True, **GREEDY))
+                list(
+                    client.chat.completions.create(
+                        model=MODEL, messages=conversation(turns, "and now?"), stream=True, **GREEDY
+                    )
+                )
         assert server.store.records[info["conversation"]] is record
         assert server.store.path(record.file).read_bytes() == good  # the last good file, untouched
         read_verified(server.store.path(record.file), SESSION_FORMAT, SESSION_VERSION)
@@ -105,8 +109,9 @@ def test_a_full_disk_while_saving_keeps_the_last_good_file(model, tokenizer, tmp
 
 
 @pytest.mark.parametrize("damage", ["flipped byte", "crafted"])
-def test_a_damaged_or_crafted_session_file_is_refused_reported_and_never_run(model, tokenizer, tmp_path, caplog,
-                                                                             damage):
+def test_a_damaged_or_crafted_session_file_is_refused_reported_and_never_run(
+    model, tokenizer, tmp_path, caplog, damage
+):
     marker = tmp_path / "marker"
     with served(model, tokenizer, tmp_path / "state", in_memory=1) as server:
         client = server.client()
@@ -143,8 +148,10 @@ def test_an_unreadable_index_is_reported_and_a_second_server_is_refused(model, t
         assert server.store.records == {}
         assert "the index cannot be read" in caplog.text
         assert index.with_name(index.name + ".corrupt").exists()
-        with pytest.raises(H2OStreamError, match="in use by another h2o-stream serve"), \
-                served(model, tokenizer, tmp_path):
+        with (
+            pytest.raises(H2OStreamError, match="in use by another h2o-stream serve"),
+            served(model, tokenizer, tmp_path),
+        ):
             pass
         _, again = _talk(server.client(), [], "hello")  # served anew, from the client's history
         assert again["how"] == "new"

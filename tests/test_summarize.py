@@ -85,8 +85,15 @@ def test_full_policy_refuses_a_document_beyond_the_context_before_reading(tokeni
 
 def test_hierarchical_summarizes_every_section_then_the_summaries(model, tokenizer, document):
     seen = []
-    result, watch = run(model, tokenizer, document, strategy="hierarchical", section_tokens=80,
-                        section_max_new_tokens=12, on_section=seen.append)
+    result, watch = run(
+        model,
+        tokenizer,
+        document,
+        strategy="hierarchical",
+        section_tokens=80,
+        section_max_new_tokens=12,
+        on_section=seen.append,
+    )
     doc_tokens = len(encode(tokenizer, document))
     level0 = [s for s in result.sections if s.level == 0]
     assert result.strategy == "hierarchical" and result.tokens_read == doc_tokens
@@ -119,26 +126,29 @@ def test_hierarchical_section_size_defaults_to_the_cache_size(model, tokenizer, 
 # --- settings and bad input -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"instruction": ""}, "instruction is empty"),
-    ({"instruction": "   \n"}, "instruction is empty"),
-    ({"instruction": None}, "instruction is empty"),
-    ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
-    ({"max_new_tokens": -5}, "max_new_tokens must be >= 1, got -5"),
-    ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
-    ({"max_new_tokens": True}, "max_new_tokens must be a whole number"),
-    ({"strategy": "magic"}, "unknown strategy 'magic': choose one of single, hierarchical"),
-    ({"policy": "lru"}, "unknown policy 'lru'"),
-    ({"cache_size": 0}, "cache size must be >= 1"),
-    ({"chunk_size": 0}, "chunk_size must be >= 1"),
-    ({"chunk_size": 1000}, "cache size 48 \\+ chunk size 1000 exceeds the model's context of 1024"),
-    ({"strategy": "hierarchical", "section_tokens": 0}, "section_tokens must be >= 1"),
-    ({"strategy": "hierarchical", "section_instruction": ""}, "section_instruction is empty"),
-    ({"temperature": -1.0}, "temperature must be a number >= 0"),
-    ({"repetition_penalty": 0.5}, "repetition.penalty must be a number >= 1"),
-    ({"no_repeat_ngram_size": -1}, "no.repeat.ngram.size must be an integer >= 0"),
-    ({"heavy": 60}, "heavy .*cannot exceed the cache size"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"instruction": ""}, "instruction is empty"),
+        ({"instruction": "   \n"}, "instruction is empty"),
+        ({"instruction": None}, "instruction is empty"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1, got 0"),
+        ({"max_new_tokens": -5}, "max_new_tokens must be >= 1, got -5"),
+        ({"max_new_tokens": 2.5}, "max_new_tokens must be a whole number"),
+        ({"max_new_tokens": True}, "max_new_tokens must be a whole number"),
+        ({"strategy": "magic"}, "unknown strategy 'magic': choose one of single, hierarchical"),
+        ({"policy": "lru"}, "unknown policy 'lru'"),
+        ({"cache_size": 0}, "cache size must be >= 1"),
+        ({"chunk_size": 0}, "chunk_size must be >= 1"),
+        ({"chunk_size": 1000}, "cache size 48 \\+ chunk size 1000 exceeds the model's context of 1024"),
+        ({"strategy": "hierarchical", "section_tokens": 0}, "section_tokens must be >= 1"),
+        ({"strategy": "hierarchical", "section_instruction": ""}, "section_instruction is empty"),
+        ({"temperature": -1.0}, "temperature must be a number >= 0"),
+        ({"repetition_penalty": 0.5}, "repetition.penalty must be a number >= 1"),
+        ({"no_repeat_ngram_size": -1}, "no.repeat.ngram.size must be an integer >= 0"),
+        ({"heavy": 60}, "heavy .*cannot exceed the cache size"),
+    ],
+)
 def test_bad_settings_give_one_clear_error_before_any_work(model, tokenizer, kwargs, message):
     watch = BudgetWatch(model)
     try:
@@ -149,8 +159,14 @@ def test_bad_settings_give_one_clear_error_before_any_work(model, tokenizer, kwa
     assert watch.after == []  # nothing was fed
 
 
-@pytest.mark.parametrize("text, message", [("", "the document is empty"), ("  \n ", "the document is empty"),
-                                           (b"bytes", "expected the document's text or a file path, got bytes")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("", "the document is empty"),
+        ("  \n ", "the document is empty"),
+        (b"bytes", "expected the document's text or a file path, got bytes"),
+    ],
+)
 def test_bad_text_gives_one_clear_error(model, tokenizer, text, message):
     with pytest.raises(H2OStreamError, match=message):
         summarize(text, (model, tokenizer))
@@ -172,7 +188,7 @@ def test_real_model_summarizes_a_20k_token_book_excerpt():
     book = load_document("sample", book="Pride and Prejudice").text
     ids = encode(loaded.tokenizer, book)
     start = len(ids) // 10
-    excerpt = loaded.tokenizer.decode(ids[start:start + 20_000])
+    excerpt = loaded.tokenizer.decode(ids[start : start + 20_000])
     watch = BudgetWatch(loaded.model)
     began = time.perf_counter()
     try:

@@ -41,8 +41,14 @@ def main_errors(args, monkeypatch, capsys) -> str:
 
 def process(args, stdin: bytes = b"", preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"}
-    return subprocess.run([sys.executable, "-m", "h2o_stream", "summarize", *map(str, args)], input=stdin,
-                          capture_output=True, env=env, timeout=120, preexec_fn=preexec_fn)
+    return subprocess.run(
+        [sys.executable, "-m", "h2o_stream", "summarize", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        env=env,
+        timeout=120,
+        preexec_fn=preexec_fn,
+    )
 
 
 # -- --out never replaces what is summarized, and is never left half-written ------------------------------------------
@@ -52,8 +58,12 @@ def process(args, stdin: bytes = b"", preexec_fn=None) -> subprocess.CompletedPr
 def test_out_that_is_the_document_itself_is_refused(tmp_path, link, monkeypatch, capsys):
     source = tmp_path / "d.txt"
     source.write_text("A document that must survive.", encoding="utf-8")
-    out = {"same": source, "symlink": tmp_path / "link.txt", "hardlink": tmp_path / "hard.txt",
-           "relative": tmp_path / "sub" / ".." / "d.txt"}[link]
+    out = {
+        "same": source,
+        "symlink": tmp_path / "link.txt",
+        "hardlink": tmp_path / "hard.txt",
+        "relative": tmp_path / "sub" / ".." / "d.txt",
+    }[link]
     if link == "symlink":
         out.symlink_to(source)
     elif link == "hardlink":
@@ -80,8 +90,9 @@ def test_out_through_a_link_writes_the_file_it_points_to(tmp_path, model_dir):
     source.write_text(words(60), encoding="utf-8")
     real.write_text("old summary\n", encoding="utf-8")
     (tmp_path / "link.md").symlink_to(real)
-    result = CliRunner().invoke(summarize_command, [str(source), "--model", str(model_dir), "-q", *SMALL, "--out",
-                                                    str(tmp_path / "link.md")])
+    result = CliRunner().invoke(
+        summarize_command, [str(source), "--model", str(model_dir), "-q", *SMALL, "--out", str(tmp_path / "link.md")]
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "link.md").is_symlink()  # the link stays a link
     assert real.read_text(encoding="utf-8") != "old summary\n"
@@ -92,6 +103,7 @@ def test_a_failed_write_of_out_leaves_the_old_file_whole(tmp_path, model_dir):
     """A real write failure from the kernel (the file size limit; a full disk behaves alike): one error line,
     and --out keeps its old contents, with no partial file beside it."""
     limit = 8  # bytes: enough for the temporary-directory probe at start-up, not for the summary
+
     def small_files():
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
         resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.RLIM_INFINITY))
@@ -113,12 +125,20 @@ def test_a_failed_write_of_out_leaves_the_old_file_whole(tmp_path, model_dir):
 # -- stdin that is not text --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("data, message", [
-    (b"\x7fELF\x02\x01\x01\x00\x00\x00", "Error: stdin is not UTF-8 text: it looks like binary data (it contains NUL "
-                                         "bytes)"),
-    ("Un caf\u00e9 cr\u00e8me.".encode("latin-1"), "Error: stdin is not UTF-8 text (byte 0xe9 at offset 6); "
-                                                   "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"),
-])
+@pytest.mark.parametrize(
+    "data, message",
+    [
+        (
+            b"\x7fELF\x02\x01\x01\x00\x00\x00",
+            "Error: stdin is not UTF-8 text: it looks like binary data (it contains NUL bytes)",
+        ),
+        (
+            "Un caf\u00e9 cr\u00e8me.".encode("latin-1"),
+            "Error: stdin is not UTF-8 text (byte 0xe9 at offset 6); "
+            "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8",
+        ),
+    ],
+)
 def test_stdin_that_is_not_utf8_text_is_one_error_line(data, message):
     result = process(["-", "--model", "no-model-is-loaded"], data)
     err = result.stderr.decode()
@@ -129,14 +149,19 @@ def test_stdin_that_is_not_utf8_text_is_one_error_line(data, message):
 # -- what the messages say ---------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--max-new-tokens", "0"], "Error: --max-new-tokens must be >= 1, got 0"),
-    (["--chunk-size", "0"], "Error: --chunk-size must be >= 1, got 0"),
-    (["--strategy", "hierarchical", "--section-tokens", "-3"], "Error: --section-tokens must be >= 1, got -3"),
-    (["--strategy", "hierarchical", "--section-max-new-tokens", "0"],
-     "Error: --section-max-new-tokens must be >= 1, got 0"),
-    (["--instruction", " "], "Error: --instruction is empty"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--max-new-tokens", "0"], "Error: --max-new-tokens must be >= 1, got 0"),
+        (["--chunk-size", "0"], "Error: --chunk-size must be >= 1, got 0"),
+        (["--strategy", "hierarchical", "--section-tokens", "-3"], "Error: --section-tokens must be >= 1, got -3"),
+        (
+            ["--strategy", "hierarchical", "--section-max-new-tokens", "0"],
+            "Error: --section-max-new-tokens must be >= 1, got 0",
+        ),
+        (["--instruction", " "], "Error: --instruction is empty"),
+    ],
+)
 def test_the_command_names_its_options_not_the_functions_arguments(tmp_path, args, message, monkeypatch, capsys):
     (tmp_path / "doc.txt").write_text("A short document.", encoding="utf-8")
     err = main_errors([tmp_path / "doc.txt", *args], monkeypatch, capsys)
@@ -146,23 +171,36 @@ def test_the_command_names_its_options_not_the_functions_arguments(tmp_path, arg
 def test_an_instruction_longer_than_the_cache_is_warned_about(tmp_path, model_dir, model, tokenizer):
     source = tmp_path / "doc.txt"
     source.write_text(words(60), encoding="utf-8")
-    result = CliRunner().invoke(summarize_command, [str(source), "--model", str(model_dir), *SMALL,
-                                                    "--instruction", LONG_INSTRUCTION])
+    result = CliRunner().invoke(
+        summarize_command, [str(source), "--model", str(model_dir), *SMALL, "--instruction", LONG_INSTRUCTION]
+    )
     assert result.exit_code == 0, result.output
     assert "warning: the instruction is " in result.stderr
-    assert "tokens with the prompt's closing, more than the cache holds (16 entries): the model cannot see all of " \
-           "it" in result.stderr
-    short = CliRunner().invoke(summarize_command, [str(source), "--model", str(model_dir), *SMALL, "--instruction",
-                                                   "Summarize."])
+    assert (
+        "tokens with the prompt's closing, more than the cache holds (16 entries): the model cannot see all of "
+        "it" in result.stderr
+    )
+    short = CliRunner().invoke(
+        summarize_command, [str(source), "--model", str(model_dir), *SMALL, "--instruction", "Summarize."]
+    )
     assert short.exit_code == 0 and "warning" not in short.stderr
 
     heard = []  # the library: a callback, else Python's warnings
-    summarize(words(30), (model, tokenizer), cache_size=32, chunk_size=8, max_new_tokens=2, strategy="hierarchical",
-              section_instruction=LONG_INSTRUCTION, on_warning=heard.append)
+    summarize(
+        words(30),
+        (model, tokenizer),
+        cache_size=32,
+        chunk_size=8,
+        max_new_tokens=2,
+        strategy="hierarchical",
+        section_instruction=LONG_INSTRUCTION,
+        on_warning=heard.append,
+    )
     assert len(heard) == 1 and heard[0].startswith("the section instruction is ")
     with pytest.warns(UserWarning, match="the instruction is .* more than the cache holds"):
-        summarize(words(30), (model, tokenizer), cache_size=16, chunk_size=8, max_new_tokens=2,
-                  instruction=LONG_INSTRUCTION)
+        summarize(
+            words(30), (model, tokenizer), cache_size=16, chunk_size=8, max_new_tokens=2, instruction=LONG_INSTRUCTION
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         summarize(words(30), (model, tokenizer), cache_size=64, chunk_size=8, max_new_tokens=2)  # no warning

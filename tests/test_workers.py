@@ -23,8 +23,20 @@ RUNS = ["h2o-16", "sink-16", "tova-16", "h2o-24"]
 
 def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 600, "--policy", "h2o,sink,tova",
-            "--cache-size", "16,24", "--threads", 1]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        600,
+        "--policy",
+        "h2o,sink,tova",
+        "--cache-size",
+        "16,24",
+        "--threads",
+        1,
+    ]
     run_to_end(ppl_command(*args, "--out", tmp_path / "alone", "--workers", 1))
     done = run_to_end(ppl_command(*args, "--out", tmp_path / "workers", "--workers", 3))
     assert "runs on 3 workers, 1 thread(s) each" in done.stderr
@@ -35,16 +47,37 @@ def test_runs_in_workers_equal_runs_one_after_another(ppl_model_dir, tmp_path):
 
 def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_model_dir, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.jsonl")
-    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 3000, "--policy", "h2o,sink",
-            "--cache-size", "16,24", "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1]
+    args = [
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        3000,
+        "--policy",
+        "h2o,sink",
+        "--cache-size",
+        "16,24",
+        "--chunk-size",
+        4,
+        "--checkpoint-every",
+        40,
+        "--threads",
+        1,
+    ]
     run_to_end(ppl_command(*args, "--out", tmp_path / "whole"))
     out = tmp_path / "out"
     command = ppl_command(*args, "--out", out, "--workers", 2)
     # Each of a run's ~75 checkpoints takes 0.25 s, so a run lasts ~19 s: long enough for the second worker to load
     # and start its run before the first worker's run ends, even on a loaded machine (with 0.05 s, a worker that
     # took over 4 s to start once found its partner's first run done and the signal caught only one run).
-    process = subprocess.Popen(command, env=subprocess_env(**{WRITE_DELAY_ENV: "0.25"}), stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        command,
+        env=subprocess_env(**{WRITE_DELAY_ENV: "0.25"}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     runs = [out / f"{name}.ckpt" for name in ("h2o-16", "h2o-24", "sink-16", "sink-24")]
     wait_for(lambda: sum(path.exists() for path in runs) >= 2, "both workers' first checkpoints", process)
     process.send_signal(signal.SIGINT)
@@ -65,6 +98,7 @@ def test_a_signal_checkpoints_every_worker_and_resume_continues_exactly(ppl_mode
 def test_auto_workers_is_one_single_thread_worker_per_core_as_memory_allows():
     from h2o_stream.apps.perplexity.workers import auto_workers, threads_per_worker
     from tiny_models import tiny_model
+
     model = tiny_model("llama")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     plenty = 1 << 40
@@ -78,6 +112,7 @@ def test_auto_workers_is_one_single_thread_worker_per_core_as_memory_allows():
 
 def test_workers_option_takes_a_count_or_auto(ppl_model_dir, capsys):
     from ppl_helpers import ppl_error
+
     assert "'0' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", 0, "--model", ppl_model_dir)
     assert "'many' is not a positive integer or 'auto'" in ppl_error(capsys, "--workers", "many")
 
@@ -88,11 +123,38 @@ def test_on_a_terminal_each_run_has_a_named_bar_and_the_model_loads_in_view_once
     pexpect = pytest.importorskip("pexpect")
     corpus = write_corpus(tmp_path / "corpus.jsonl")
     env = {key: value for key, value in subprocess_env(**{WRITE_DELAY_ENV: "0.1"}).items() if key != "TQDM_DISABLE"}
-    command = ppl_command("--model", ppl_model_dir, "--data", corpus, "--tokens", 1000, "--policy", "h2o,sink",
-                          "--cache-size", 16, "--chunk-size", 4, "--checkpoint-every", 40, "--threads", 1,
-                          "--workers", 2, "--out", tmp_path / "out")
-    child = pexpect.spawn(command[0], command[1:], env=env, cwd=str(tmp_path), dimensions=(24, 150), timeout=300,
-                          encoding="utf-8", codec_errors="replace")
+    command = ppl_command(
+        "--model",
+        ppl_model_dir,
+        "--data",
+        corpus,
+        "--tokens",
+        1000,
+        "--policy",
+        "h2o,sink",
+        "--cache-size",
+        16,
+        "--chunk-size",
+        4,
+        "--checkpoint-every",
+        40,
+        "--threads",
+        1,
+        "--workers",
+        2,
+        "--out",
+        tmp_path / "out",
+    )
+    child = pexpect.spawn(
+        command[0],
+        command[1:],
+        env=env,
+        cwd=str(tmp_path),
+        dimensions=(24, 150),
+        timeout=300,
+        encoding="utf-8",
+        codec_errors="replace",
+    )
     child.expect(pexpect.EOF)
     child.close()
     shown = child.before

@@ -40,9 +40,12 @@ class LazyGroup(click.Group):
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         """Each command with the first paragraph of its help in full, wrapped (click's default cuts it at about 45
         characters, mid-phrase)."""
-        rows = [(name, command.short_help or (command.help or "").split("\n\n")[0])
-                for name in self.list_commands(ctx)
-                for command in [self.get_command(ctx, name)] if command is not None and not command.hidden]
+        rows = [
+            (name, command.short_help or (command.help or "").split("\n\n")[0])
+            for name in self.list_commands(ctx)
+            for command in [self.get_command(ctx, name)]
+            if command is not None and not command.hidden
+        ]
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl([(name, " ".join(text.split())) for name, text in rows])

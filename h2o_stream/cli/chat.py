@@ -24,32 +24,94 @@ from .repl import Repl, note, note_replaced
 @click.command("chat")
 @model_options
 @cache_options("h2o", DEFAULT_CACHE_SIZE)
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
-              help="Tokens of a user message per forward pass.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=CHAT_SAMPLING["temperature"],
-              show_default=True, help="Sampling temperature; 0 = greedy.")
-@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), default=CHAT_SAMPLING["top_p"],
-              show_default=True, help="Nucleus sampling: sample from the smallest set of tokens with this much "
-                                      "probability.")
-@click.option("--top-k", type=click.IntRange(min=0), default=CHAT_SAMPLING["top_k"], show_default=True,
-              help="Sample from the k most likely tokens only; 0 = no limit.")
-@click.option("--repetition-penalty", type=click.FloatRange(min=1), default=CHAT_SAMPLING["repetition_penalty"],
-              show_default=True, help="Penalty on tokens already in the reply (transformers' repetition_penalty); "
-                                      "1 = off.")
-@click.option("--no-repeat-ngram-size", type=click.IntRange(min=0), default=CHAT_SAMPLING["no_repeat_ngram_size"],
-              show_default=True, help="No run of this many tokens appears twice in a reply; 0 = off.")
-@click.option("--max-new-tokens", type=click.IntRange(min=1), default=CHAT_SAMPLING["max_new_tokens"],
-              show_default=True, help="Longest reply, in tokens.")
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    help="Tokens of a user message per forward pass.",
+)
+@click.option(
+    "--temperature",
+    type=click.FloatRange(min=0),
+    default=CHAT_SAMPLING["temperature"],
+    show_default=True,
+    help="Sampling temperature; 0 = greedy.",
+)
+@click.option(
+    "--top-p",
+    type=click.FloatRange(min=0, max=1, min_open=True),
+    default=CHAT_SAMPLING["top_p"],
+    show_default=True,
+    help="Nucleus sampling: sample from the smallest set of tokens with this much probability.",
+)
+@click.option(
+    "--top-k",
+    type=click.IntRange(min=0),
+    default=CHAT_SAMPLING["top_k"],
+    show_default=True,
+    help="Sample from the k most likely tokens only; 0 = no limit.",
+)
+@click.option(
+    "--repetition-penalty",
+    type=click.FloatRange(min=1),
+    default=CHAT_SAMPLING["repetition_penalty"],
+    show_default=True,
+    help="Penalty on tokens already in the reply (transformers' repetition_penalty); 1 = off.",
+)
+@click.option(
+    "--no-repeat-ngram-size",
+    type=click.IntRange(min=0),
+    default=CHAT_SAMPLING["no_repeat_ngram_size"],
+    show_default=True,
+    help="No run of this many tokens appears twice in a reply; 0 = off.",
+)
+@click.option(
+    "--max-new-tokens",
+    type=click.IntRange(min=1),
+    default=CHAT_SAMPLING["max_new_tokens"],
+    show_default=True,
+    help="Longest reply, in tokens.",
+)
 @click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (default: random).")
 @click.option("--system", default=None, help="System prompt, given to the model once at the start.")
-@click.option("--load", "load_path", type=click.Path(dir_okay=False), default=None,
-              help="Resume the session saved in this file (as /load does).")
-@click.option("--server", default=None, metavar="URL",
-              help="Chat through a running h2o-stream serve at URL (e.g. http://127.0.0.1:8000/v1) instead of a "
-                   "model loaded here; the server's cache settings apply.")
+@click.option(
+    "--load",
+    "load_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Resume the session saved in this file (as /load does).",
+)
+@click.option(
+    "--server",
+    default=None,
+    metavar="URL",
+    help="Chat through a running h2o-stream serve at URL (e.g. http://127.0.0.1:8000/v1) instead of a "
+    "model loaded here; the server's cache settings apply.",
+)
 @click.option("--api-key", default=None, envvar="H2O_STREAM_API_KEY", help="The server's API key (with --server).")
-def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, temperature, top_p,
-         top_k, repetition_penalty, no_repeat_ngram_size, max_new_tokens, seed, system, load_path, server, api_key):
+def chat(
+    model_spec,
+    dtype,
+    device,
+    threads,
+    policy,
+    cache_size,
+    parts,
+    no_rolling,
+    chunk_size,
+    temperature,
+    top_p,
+    top_k,
+    repetition_penalty,
+    no_repeat_ngram_size,
+    max_new_tokens,
+    seed,
+    system,
+    load_path,
+    server,
+    api_key,
+):
     """Endless chat with a local model in fixed memory.
 
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
@@ -66,8 +128,15 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
     size = None if policy == "full" else cache_size
     # built (and so checked) before the model loads, unless it needs the model's tokenizer (sepllm)
     eviction = None if policy_class(policy).needs_tokenizer else make_policy(policy, size, **parts)
-    sampling = Sampling(temperature=temperature, top_p=top_p, top_k=top_k, repetition_penalty=repetition_penalty,
-                        no_repeat_ngram_size=no_repeat_ngram_size, max_new_tokens=max_new_tokens, seed=seed)
+    sampling = Sampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+    )
     interactive = sys.stdin.isatty()
     if server:
         _remote(server, api_key, system, sampling, seed, load_path, interactive)
@@ -76,8 +145,16 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
     if eviction is None:
         eviction = make_policy(policy, size, tokenizer=loaded.tokenizer, **parts)
-    session = ChatSession(loaded.model, loaded.tokenizer, policy=eviction, rolling=not no_rolling, system=system,
-                          sampling=sampling, chunk_size=chunk_size, model_name=loaded.name)
+    session = ChatSession(
+        loaded.model,
+        loaded.tokenizer,
+        policy=eviction,
+        rolling=not no_rolling,
+        system=system,
+        sampling=sampling,
+        chunk_size=chunk_size,
+        model_name=loaded.name,
+    )
     if session.notice:
         note(f"note: {session.notice}")
     if session.budget is None:
@@ -89,8 +166,10 @@ def chat(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolli
         session.load(load_path)
         note(loaded_summary(session, load_path))
         note_replaced(before, session)
-    note(f"{loaded.name} | {session.policy.describe()} | "
-         + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin"))
+    note(
+        f"{loaded.name} | {session.policy.describe()} | "
+        + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin")
+    )
     failures = Repl(session, interactive=interactive).run()
     if failures and not interactive:
         sys.exit(1)
@@ -103,8 +182,10 @@ def _remote(server, api_key, system, sampling, seed, load_path, interactive) -> 
     if load_path:
         raise H2OStreamError("--load does not go with --server: the server keeps its conversations")
     session = RemoteSession(server, api_key=api_key, system=system, sampling=sampling, seed=seed)
-    note(f"{session.model} at {session.url} | " + ("/help for commands, Ctrl-D to exit" if interactive
-                                                   else "reading turns from stdin"))
+    note(
+        f"{session.model} at {session.url} | "
+        + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin")
+    )
     failures = Repl(session, interactive=interactive).run()
     if failures and not interactive:
         sys.exit(1)

@@ -33,19 +33,41 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts)
 @click.command()
 @model_options
 @cache_options(BOUNDED, "128,256,512", multiple=True)
-@click.option("--tokens", type=click.IntRange(min=2), default=250_000, show_default=True,
-              help="Stream tokens per run.")
+@click.option("--tokens", type=click.IntRange(min=2), default=250_000, show_default=True, help="Stream tokens per run.")
 @data_option
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="h2o-stream-leaderboard",
-              show_default=True, help="Directory for the leaderboard; the runs go to its runs/ folder.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="h2o-stream-leaderboard",
+    show_default=True,
+    help="Directory for the leaderboard; the runs go to its runs/ folder.",
+)
 @checkpoint_option
 @workers_option
 @rows_option
 @ray_option
 @sliding_option
 @click.option("--report-only", is_flag=True, help="Redraw the table and plots from the finished runs; run nothing.")
-def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, tokens, data, out_dir,
-                checkpoint_every, workers, rows, ray_address, sliding, report_only):
+def leaderboard(
+    model_spec,
+    dtype,
+    device,
+    threads,
+    policy,
+    cache_size,
+    parts,
+    no_rolling,
+    tokens,
+    data,
+    out_dir,
+    checkpoint_every,
+    workers,
+    rows,
+    ray_address,
+    sliding,
+    report_only,
+):
     """Rank eviction policies: perplexity of every --policy at every --cache-size over the same stream.
 
     Runs go one cache size at a time (all policies at the first size, then the next), each with its policy's default
@@ -60,8 +82,10 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
     if report_only:
         ignored = _given_options(exclude=("out_dir", "report_only"))
         if ignored:
-            raise H2OStreamError(f"--report-only redraws the leaderboard from the runs in {runs} and runs nothing: "
-                                 f"{', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}")
+            raise H2OStreamError(
+                f"--report-only redraws the leaderboard from the runs in {runs} and runs nothing: "
+                f"{', '.join(ignored)} would be ignored; drop {'it' if len(ignored) == 1 else 'them'}"
+            )
         if not runs.is_dir() or not any(runs.glob("*.json")):
             raise H2OStreamError(f"{runs} holds no finished runs to report on")
     else:
@@ -72,10 +96,31 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
 
         def specs(tokenizer=None):  # all policies at the first size, then the next
             return [spec for size in cache_size for spec in run_specs(policy, [size], parts, tokenizer=tokenizer)]
-        sweep = Sweep(specs(), runs, data, tokens, rolling=not no_rolling, checkpoint_every=checkpoint_every,
-                      resume=True, command=shlex.join(argv), rows=rows, sliding=sliding)
-        run_sweep(sweep, specs, argv, workers=workers, ray_address=ray_address, resumes_as_given=True,
-                  spec=model_spec, dtype=dtype, device=device, threads=threads)
+
+        sweep = Sweep(
+            specs(),
+            runs,
+            data,
+            tokens,
+            rolling=not no_rolling,
+            checkpoint_every=checkpoint_every,
+            resume=True,
+            command=shlex.join(argv),
+            rows=rows,
+            sliding=sliding,
+        )
+        run_sweep(
+            sweep,
+            specs,
+            argv,
+            workers=workers,
+            ray_address=ray_address,
+            resumes_as_given=True,
+            spec=model_spec,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+        )
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)
@@ -84,5 +129,8 @@ def leaderboard(model_spec, dtype, device, threads, policy, cache_size, parts, n
 def _given_options(exclude: tuple[str, ...]) -> list[str]:
     """The options of this call given on the command line (not defaults), by their flag, but those in `exclude`."""
     ctx = click.get_current_context()
-    return [param.opts[0] for param in ctx.command.params
-            if param.name not in exclude and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE]
+    return [
+        param.opts[0]
+        for param in ctx.command.params
+        if param.name not in exclude and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+    ]

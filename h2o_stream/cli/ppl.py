@@ -34,39 +34,88 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
 @click.command()
 @model_options
 @cache_options("h2o,sink", 256, multiple=True)
-@click.option("--chunk-size", type=int, default=None,
-              help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
-                   "exact mode), a sixteenth of the cache size for the other policies, but at most the largest power "
-                   "of two up to their recent window + 1 (a chunk shields its own tokens from cuts: tova 1); roco "
-                   "runs exact mode (1), compiled.")
-@click.option("--exact", is_flag=True,
-              help="Token-by-token reference mode (chunk size 1: the cache decides after every token).")
-@click.option("--span", type=int, default=None,
-              help="Tokens per model forward, a multiple of the chunk size; the cache still decides every chunk, "
-                   "inside each layer, so results are the same as one forward per chunk (speed only). Default: the "
-                   "largest multiple of the chunk size up to 256.")
-@click.option("--wide-chunks", is_flag=True,
-              help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
-                   "chunk size keys). By default no query sees more than cache size + 1 keys, as in exact mode.")
+@click.option(
+    "--chunk-size",
+    type=int,
+    default=None,
+    help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
+    "exact mode), a sixteenth of the cache size for the other policies, but at most the largest power "
+    "of two up to their recent window + 1 (a chunk shields its own tokens from cuts: tova 1); roco "
+    "runs exact mode (1), compiled.",
+)
+@click.option(
+    "--exact", is_flag=True, help="Token-by-token reference mode (chunk size 1: the cache decides after every token)."
+)
+@click.option(
+    "--span",
+    type=int,
+    default=None,
+    help="Tokens per model forward, a multiple of the chunk size; the cache still decides every chunk, "
+    "inside each layer, so results are the same as one forward per chunk (speed only). Default: the "
+    "largest multiple of the chunk size up to 256.",
+)
+@click.option(
+    "--wide-chunks",
+    is_flag=True,
+    help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
+    "chunk size keys). By default no query sees more than cache size + 1 keys, as in exact mode.",
+)
 @click.option("--tokens", type=int, default=100_000, show_default=True, help="Stream tokens to evaluate per run.")
 @data_option
 @click.option("--skip-tokens", type=click.IntRange(min=0), default=0, help="Start this far into the stream.")
 @click.option("--reset-per-book", is_flag=True, help="Empty the cache at each book instead of carrying it over.")
-@click.option("--out", "out_dir", type=click.Path(file_okay=False), default="h2o-stream-ppl", show_default=True,
-              help="Directory for results JSON, checkpoints and the plot.")
-@click.option("--resume", is_flag=True,
-              help="Continue the runs checkpointed in --out (settings must match); finished runs can be extended "
-                   "with a larger --tokens and give the same result as one uninterrupted run.")
+@click.option(
+    "--out",
+    "out_dir",
+    type=click.Path(file_okay=False),
+    default="h2o-stream-ppl",
+    show_default=True,
+    help="Directory for results JSON, checkpoints and the plot.",
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="Continue the runs checkpointed in --out (settings must match); finished runs can be extended "
+    "with a larger --tokens and give the same result as one uninterrupted run.",
+)
 @checkpoint_option
-@click.option("--curve-every", type=click.IntRange(min=1), default=1000, show_default=True,
-              help="Tokens between points of the running-PPL curve.")
+@click.option(
+    "--curve-every",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Tokens between points of the running-PPL curve.",
+)
 @workers_option
 @rows_option
 @ray_option
 @sliding_option
-def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, exact, span, wide_chunks,
-        tokens, data, skip_tokens, reset_per_book, out_dir, resume, checkpoint_every, curve_every, workers,
-        rows, ray_address, sliding):
+def ppl(
+    model_spec,
+    dtype,
+    device,
+    threads,
+    policy,
+    cache_size,
+    parts,
+    no_rolling,
+    chunk_size,
+    exact,
+    span,
+    wide_chunks,
+    tokens,
+    data,
+    skip_tokens,
+    reset_per_book,
+    out_dir,
+    resume,
+    checkpoint_every,
+    curve_every,
+    workers,
+    rows,
+    ray_address,
+    sliding,
+):
     """Perplexity over a long token stream with a fixed-size cache, e.g. H2O against StreamingLLM sinks.
 
     Every policy × cache size is one run; the budget split of each is printed. Results go to --out: one JSON per
@@ -81,26 +130,56 @@ def ppl(model_spec, dtype, device, threads, policy, cache_size, parts, no_rollin
     if chunk_size is not None and chunk_size < 1:
         raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
     if span is not None and (span < 1 or (chunk_size is not None and span % chunk_size)):
-        raise H2OStreamError(f"--span must be a positive multiple of the chunk size ({chunk_size or 'per policy'}), "
-                             f"got {span}")
+        raise H2OStreamError(
+            f"--span must be a positive multiple of the chunk size ({chunk_size or 'per policy'}), got {span}"
+        )
     loading_note(model_spec)
     from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 
     argv = command_argv()
     # every run that needs no tokenizer is built (and so checked) before the model loads; the rest once it has
-    sweep = Sweep(run_specs(policy, cache_size, parts), Path(out_dir), data, tokens, chunk_size=chunk_size, span=span,
-                  rolling=not no_rolling, wide_chunks=wide_chunks, reset_per_book=reset_per_book,
-                  skip_tokens=skip_tokens, checkpoint_every=checkpoint_every, curve_every=curve_every, resume=resume,
-                  command=shlex.join(argv), rows=rows, sliding=sliding)
-    results = run_sweep(sweep, lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer), argv,
-                        workers=workers, ray_address=ray_address, spec=model_spec, dtype=dtype, device=device,
-                        threads=threads)
+    sweep = Sweep(
+        run_specs(policy, cache_size, parts),
+        Path(out_dir),
+        data,
+        tokens,
+        chunk_size=chunk_size,
+        span=span,
+        rolling=not no_rolling,
+        wide_chunks=wide_chunks,
+        reset_per_book=reset_per_book,
+        skip_tokens=skip_tokens,
+        checkpoint_every=checkpoint_every,
+        curve_every=curve_every,
+        resume=resume,
+        command=shlex.join(argv),
+        rows=rows,
+        sliding=sliding,
+    )
+    results = run_sweep(
+        sweep,
+        lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer),
+        argv,
+        workers=workers,
+        ray_address=ray_address,
+        spec=model_spec,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+    )
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
 
 
-def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int | None = 1,
-              ray_address: str | None = None, resumes_as_given: bool = False, **loading) -> list[dict]:
+def run_sweep(
+    sweep: Sweep,
+    specs_with_tokenizer,
+    argv: list[str],
+    workers: int | None = 1,
+    ray_address: str | None = None,
+    resumes_as_given: bool = False,
+    **loading,
+) -> list[dict]:
     """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
     tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them: as Ray tasks with
     `ray_address`, else in `workers` local processes when more than one (None: `auto_workers`). Ctrl-C / SIGTERM
@@ -125,8 +204,9 @@ def run_sweep(sweep: Sweep, specs_with_tokenizer, argv: list[str], workers: int 
                 _, plans = sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
                 if workers is None:  # --workers auto: from the runs (or groups of rows) left to do
                     left = {name for (name, _), plan in zip(sweep.specs, plans, strict=True) if not plan.done}
-                    workers = auto_workers(sum(any(name in left for name in group) for group in sweep.groups()),
-                                           loaded.model)
+                    workers = auto_workers(
+                        sum(any(name in left for name in group) for group in sweep.groups()), loaded.model
+                    )
             if ray_address is not None or workers > 1:
                 del loaded  # the workers (or Ray tasks) load their own
                 if ray_address is not None:

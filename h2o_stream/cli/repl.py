@@ -96,11 +96,14 @@ class Repl:
             try:
                 line = raw if isinstance(raw, str) else raw.decode("utf-8")
             except UnicodeDecodeError as error:
-                raise H2OStreamError(f"stdin line {number} is not UTF-8 text ({_bad_byte(error)}): chat reads one "
-                                     "message per line of text") from None
+                raise H2OStreamError(
+                    f"stdin line {number} is not UTF-8 text ({_bad_byte(error)}): chat reads one "
+                    "message per line of text"
+                ) from None
             if "\0" in line:
-                raise H2OStreamError(f"stdin line {number} is not text (it holds a NUL byte): chat reads one message "
-                                     "per line of text")
+                raise H2OStreamError(
+                    f"stdin line {number} is not text (it holds a NUL byte): chat reads one message per line of text"
+                )
             yield line.rstrip("\r\n")
 
     def _read(self, read):
@@ -193,16 +196,19 @@ class Repl:
                     raise H2OStreamError(f"{name} needs a file name: {name} PATH")
                 if name == "/save":
                     path = self.session.save(argument)
-                    self.say(f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) "
-                             f"to {path}")
+                    self.say(
+                        f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) to {path}"
+                    )
                 else:
                     before = cache_settings(self.session)
                     self.session.load(argument)
                     self.say(loaded_summary(self.session, argument))
                     note_replaced(before, self.session)
             else:
-                raise H2OStreamError(f"unknown command {name}; type /help for the list "
-                                     "(start a message with // to send a message that begins with /)")
+                raise H2OStreamError(
+                    f"unknown command {name}; type /help for the list "
+                    "(start a message with // to send a message that begins with /)"
+                )
         except OutputLost:
             raise
         except H2OStreamError as error:
@@ -247,8 +253,9 @@ class Repl:
             self.out.flush()
         except OSError as error:
             _discard(self.out)
-            raise OutputLost(f"cannot write to stdout ({error.strerror or one_line(error)}); the chat stops here") \
-                from None
+            raise OutputLost(
+                f"cannot write to stdout ({error.strerror or one_line(error)}); the chat stops here"
+            ) from None
 
 
 @contextlib.contextmanager
@@ -293,8 +300,10 @@ def note_replaced(before: str, session: ChatSession) -> None:
     """Say so when a loaded session brings another cache than the chat had (the file's settings win)."""
     after = cache_settings(session)
     if after != before:
-        note(f"note: the loaded session keeps its own cache, {after}, instead of this chat's {before} "
-             "(--policy/--cache-size do not apply to a loaded session)")
+        note(
+            f"note: the loaded session keeps its own cache, {after}, instead of this chat's {before} "
+            "(--policy/--cache-size do not apply to a loaded session)"
+        )
 
 
 def note(text: str) -> None:

@@ -21,35 +21,109 @@ DEFAULT_CHUNK_SIZE = 64
 @click.command("serve")
 @model_options
 @cache_options("h2o", DEFAULT_CACHE_SIZE)
-@click.option("--chunk-size", type=click.IntRange(min=1), default=DEFAULT_CHUNK_SIZE, show_default=True,
-              help="Tokens of a message per forward pass.")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on. Anything but a loopback address exposes the server: set --api-key.")
-@click.option("--port", type=click.IntRange(min=0, max=65535), default=8000, show_default=True,
-              help="Port (0: a free one, printed at start).")
-@click.option("--state-dir", type=click.Path(file_okay=False), default=None,
-              help="Where conversations are kept across restarts (default: ~/.cache/h2o-stream/serve).")
-@click.option("--in-memory", type=click.IntRange(min=1), default=8, show_default=True,
-              help="Conversations held in memory at most (least recently used first out; the rest on disk). Also "
-                   "how many turns run at once.")
-@click.option("--api-key", default=None, envvar="H2O_STREAM_API_KEY", show_envvar=True,
-              help="Require this key (Authorization: Bearer KEY) on every request.")
+@click.option(
+    "--chunk-size",
+    type=click.IntRange(min=1),
+    default=DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    help="Tokens of a message per forward pass.",
+)
+@click.option(
+    "--host",
+    default="127.0.0.1",
+    show_default=True,
+    help="Address to listen on. Anything but a loopback address exposes the server: set --api-key.",
+)
+@click.option(
+    "--port",
+    type=click.IntRange(min=0, max=65535),
+    default=8000,
+    show_default=True,
+    help="Port (0: a free one, printed at start).",
+)
+@click.option(
+    "--state-dir",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Where conversations are kept across restarts (default: ~/.cache/h2o-stream/serve).",
+)
+@click.option(
+    "--in-memory",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Conversations held in memory at most (least recently used first out; the rest on disk). Also "
+    "how many turns run at once.",
+)
+@click.option(
+    "--api-key",
+    default=None,
+    envvar="H2O_STREAM_API_KEY",
+    show_envvar=True,
+    help="Require this key (Authorization: Bearer KEY) on every request.",
+)
 @click.option("--model-name", default=None, help="The model id clients send (default: from the model's name).")
-@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
-              help="Largest max_tokens a request may ask for.")
-@click.option("--default-max-tokens", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Reply length when a request gives no max_tokens.")
-@click.option("--max-request-bytes", type=click.IntRange(min=1024), default=8 * 2**20, show_default=True,
-              help="Largest request body (a client resends the whole history each turn).")
-@click.option("--max-messages", type=click.IntRange(min=1), default=10_000, show_default=True,
-              help="Most messages in one request.")
-@click.option("--max-queue", type=click.IntRange(min=1), default=256, show_default=True,
-              help="Requests waiting or under way at most; more get 429.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info",
-              show_default=True)
-def serve(model_spec, dtype, device, threads, policy, cache_size, parts, no_rolling, chunk_size, host, port,
-          state_dir, in_memory, api_key, model_name, max_tokens, default_max_tokens, max_request_bytes, max_messages,
-          max_queue, log_level):
+@click.option(
+    "--max-tokens",
+    type=click.IntRange(min=1),
+    default=4096,
+    show_default=True,
+    help="Largest max_tokens a request may ask for.",
+)
+@click.option(
+    "--default-max-tokens",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Reply length when a request gives no max_tokens.",
+)
+@click.option(
+    "--max-request-bytes",
+    type=click.IntRange(min=1024),
+    default=8 * 2**20,
+    show_default=True,
+    help="Largest request body (a client resends the whole history each turn).",
+)
+@click.option(
+    "--max-messages",
+    type=click.IntRange(min=1),
+    default=10_000,
+    show_default=True,
+    help="Most messages in one request.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(min=1),
+    default=256,
+    show_default=True,
+    help="Requests waiting or under way at most; more get 429.",
+)
+@click.option(
+    "--log-level", type=click.Choice(["debug", "info", "warning", "error"]), default="info", show_default=True
+)
+def serve(
+    model_spec,
+    dtype,
+    device,
+    threads,
+    policy,
+    cache_size,
+    parts,
+    no_rolling,
+    chunk_size,
+    host,
+    port,
+    state_dir,
+    in_memory,
+    api_key,
+    model_name,
+    max_tokens,
+    default_max_tokens,
+    max_request_bytes,
+    max_messages,
+    max_queue,
+    log_level,
+):
     """Serve endless chats over an OpenAI-compatible API (/v1/chat/completions, /v1/models), each conversation in
     a fixed-size cache.
 
@@ -74,19 +148,29 @@ def serve(model_spec, dtype, device, threads, policy, cache_size, parts, no_roll
         _note(f"warning: listening on {host} without --api-key: anyone who reaches it can use it")
     _note(f"loading {model_spec or 'the default model'} ...")
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
-    settings = ServeSettings(state_dir=state, served_model=model_name or served_name(loaded.name), policy=policy,
-                             cache_size=cache_size, parts=parts, rolling=not no_rolling, chunk_size=chunk_size,
-                             in_memory=in_memory, max_queue=max_queue, api_key=api_key or None,
-                             default_max_tokens=default_max_tokens,
-                             limits=Limits(max_request_bytes=max_request_bytes, max_messages=max_messages,
-                                           max_tokens=max_tokens))
+    settings = ServeSettings(
+        state_dir=state,
+        served_model=model_name or served_name(loaded.name),
+        policy=policy,
+        cache_size=cache_size,
+        parts=parts,
+        rolling=not no_rolling,
+        chunk_size=chunk_size,
+        in_memory=in_memory,
+        max_queue=max_queue,
+        api_key=api_key or None,
+        default_max_tokens=default_max_tokens,
+        limits=Limits(max_request_bytes=max_request_bytes, max_messages=max_messages, max_tokens=max_tokens),
+    )
     service = Service(loaded.model, loaded.tokenizer, settings, model_name=loaded.name)
     for notice in service.start():
         _note(f"note: {notice}")
 
     def ready(url: str) -> None:
-        _note(f"serving {settings.served_model} at {url} | {service.policy_text} | conversations in {state}, at most "
-              f"{in_memory} in memory" + (" | API key required" if settings.api_key else ""))
+        _note(
+            f"serving {settings.served_model} at {url} | {service.policy_text} | conversations in {state}, at most "
+            f"{in_memory} in memory" + (" | API key required" if settings.api_key else "")
+        )
 
     run(service, host, port, log_level=log_level, on_ready=ready)
 

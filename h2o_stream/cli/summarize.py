@@ -33,47 +33,112 @@ from .options import cache_options, model_options
 
 @click.command("summarize")
 @click.argument("file", metavar="FILE")
-@click.option("--book", default=None, metavar="INDEX_OR_TITLE",
-              help="For a corpus of several books (a PG-19 .jsonl, a directory, 'sample'): the one to summarize, by "
-                   "index or (part of its) title.")
-@click.option("--strategy", type=click.Choice(STRATEGIES), default="single", show_default=True,
-              help="single: stream the whole document into the cache, then summarize. hierarchical: summarize "
-                   "sections, then the summaries.")
+@click.option(
+    "--book",
+    default=None,
+    metavar="INDEX_OR_TITLE",
+    help="For a corpus of several books (a PG-19 .jsonl, a directory, 'sample'): the one to summarize, by "
+    "index or (part of its) title.",
+)
+@click.option(
+    "--strategy",
+    type=click.Choice(STRATEGIES),
+    default="single",
+    show_default=True,
+    help="single: stream the whole document into the cache, then summarize. hierarchical: summarize "
+    "sections, then the summaries.",
+)
 @click.option("--instruction", default=DEFAULT_INSTRUCTION, show_default=True, help="What to ask for.")
 @click.option("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, show_default=True)
-@click.option("--chunk-size", type=int, default=DEFAULT_CHUNK_SIZE, show_default=True,
-              help="Tokens per forward pass while reading (1 = exact, token by token).")
-@click.option("--section-tokens", type=int, default=None,
-              help="hierarchical: tokens per section (default: the cache size).")
-@click.option("--section-max-new-tokens", type=int, default=DEFAULT_SECTION_MAX_NEW_TOKENS, show_default=True,
-              help="hierarchical: length limit of each section summary.")
-@click.option("--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True,
-              help="0 = greedy (deterministic).")
-@click.option("--top-p", type=float, default=DEFAULT_TOP_P, show_default=True,
-              help="Nucleus sampling (temperature > 0).")
+@click.option(
+    "--chunk-size",
+    type=int,
+    default=DEFAULT_CHUNK_SIZE,
+    show_default=True,
+    help="Tokens per forward pass while reading (1 = exact, token by token).",
+)
+@click.option(
+    "--section-tokens", type=int, default=None, help="hierarchical: tokens per section (default: the cache size)."
+)
+@click.option(
+    "--section-max-new-tokens",
+    type=int,
+    default=DEFAULT_SECTION_MAX_NEW_TOKENS,
+    show_default=True,
+    help="hierarchical: length limit of each section summary.",
+)
+@click.option(
+    "--temperature", type=float, default=DEFAULT_TEMPERATURE, show_default=True, help="0 = greedy (deterministic)."
+)
+@click.option(
+    "--top-p", type=float, default=DEFAULT_TOP_P, show_default=True, help="Nucleus sampling (temperature > 0)."
+)
 @click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature > 0).")
-@click.option("--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, show_default=True,
-              help="1 = off.")
-@click.option("--no-repeat-ngram-size", type=int, default=DEFAULT_NO_REPEAT_NGRAM_SIZE, show_default=True,
-              help="No n-gram of this many tokens twice in a summary; 0 = off.")
-@click.option("--out", "out", type=click.Path(dir_okay=False, path_type=Path), default=None,
-              help="Also write the summary to this file (e.g. summary.md).")
+@click.option(
+    "--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, show_default=True, help="1 = off."
+)
+@click.option(
+    "--no-repeat-ngram-size",
+    type=int,
+    default=DEFAULT_NO_REPEAT_NGRAM_SIZE,
+    show_default=True,
+    help="No n-gram of this many tokens twice in a summary; 0 = off.",
+)
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the summary to this file (e.g. summary.md).",
+)
 @click.option("--show-sections", is_flag=True, help="hierarchical: print each section summary as it is made.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or statistics on stderr.")
 @cache_options(DEFAULT_POLICY, DEFAULT_CACHE_SIZE)
 @model_options
-def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, section_tokens, section_max_new_tokens,
-              temperature, top_p, seed, repetition_penalty, no_repeat_ngram_size, out, show_sections, quiet, policy,
-              cache_size, parts, no_rolling, model_spec, dtype, device, threads):
+def summarize(
+    file,
+    book,
+    strategy,
+    instruction,
+    max_new_tokens,
+    chunk_size,
+    section_tokens,
+    section_max_new_tokens,
+    temperature,
+    top_p,
+    seed,
+    repetition_penalty,
+    no_repeat_ngram_size,
+    out,
+    show_sections,
+    quiet,
+    policy,
+    cache_size,
+    parts,
+    no_rolling,
+    model_spec,
+    dtype,
+    device,
+    threads,
+):
     """Summarize FILE, however long, reading it through a fixed-size KV cache.
 
     FILE is a text file, a PG-19 .jsonl (with --book), 'sample' (the books shipped with h2o-stream, with --book), or
     '-' for stdin. The summary streams to stdout; progress and statistics go to stderr."""
     from h2o_stream.apps.summarize import summarize as summarize_document
 
-    check_settings(strategy=strategy, instruction=instruction, max_new_tokens=max_new_tokens, policy=policy,
-                   cache_size=cache_size, chunk_size=chunk_size, section_tokens=section_tokens,
-                   section_max_new_tokens=section_max_new_tokens, options=True, **parts)
+    check_settings(
+        strategy=strategy,
+        instruction=instruction,
+        max_new_tokens=max_new_tokens,
+        policy=policy,
+        cache_size=cache_size,
+        chunk_size=chunk_size,
+        section_tokens=section_tokens,
+        section_max_new_tokens=section_max_new_tokens,
+        options=True,
+        **parts,
+    )
     target = None if out is None else out_path(out, file)
     if file == "-":
         if book is not None:
@@ -91,16 +156,24 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
         if bar is None:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="tok", unit_scale=True, desc="reading", file=sys.stderr, leave=False,
-                       dynamic_ncols=True)
+            bar = tqdm(
+                total=total,
+                unit="tok",
+                unit_scale=True,
+                desc="reading",
+                file=sys.stderr,
+                leave=False,
+                dynamic_ncols=True,
+            )
         bar.update(done - bar.n)
         if done >= total:
             bar.close()
 
     def section(part) -> None:
         if show_sections:
-            click.echo(f"[level {part.level} part {part.index + 1}, tokens {part.start}-{part.end}] {part.text}\n",
-                       err=True)
+            click.echo(
+                f"[level {part.level} part {part.index + 1}, tokens {part.start}-{part.end}] {part.text}\n", err=True
+            )
 
     def warn(text: str) -> None:
         click.echo(f"warning: {text}", err=True)
@@ -112,22 +185,45 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
         sys.stdout.flush()
 
     if not quiet:
-        click.echo(f"summarizing {document.title or 'the document'} ({strategy}, {policy} cache {cache_size})",
-                   err=True)
+        click.echo(
+            f"summarizing {document.title or 'the document'} ({strategy}, {policy} cache {cache_size})", err=True
+        )
     result = summarize_document(
-        document, model_spec, policy=policy, cache_size=cache_size, chunk_size=chunk_size,
-        max_new_tokens=max_new_tokens, instruction=instruction, strategy=strategy, section_tokens=section_tokens,
-        section_max_new_tokens=section_max_new_tokens, rolling=not no_rolling, temperature=temperature, top_p=top_p,
-        seed=seed, repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size, dtype=dtype,
-        device=device, threads=threads, on_progress=None if quiet else progress, on_text=text,
-        on_section=section if strategy == "hierarchical" else None, on_warning=warn, **parts)
+        document,
+        model_spec,
+        policy=policy,
+        cache_size=cache_size,
+        chunk_size=chunk_size,
+        max_new_tokens=max_new_tokens,
+        instruction=instruction,
+        strategy=strategy,
+        section_tokens=section_tokens,
+        section_max_new_tokens=section_max_new_tokens,
+        rolling=not no_rolling,
+        temperature=temperature,
+        top_p=top_p,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        dtype=dtype,
+        device=device,
+        threads=threads,
+        on_progress=None if quiet else progress,
+        on_text=text,
+        on_section=section if strategy == "hierarchical" else None,
+        on_warning=warn,
+        **parts,
+    )
     if bar is not None:
         bar.close()
     click.echo(paragraphs.finish())
     summary = unwrap(result.text)
     if result.stop_reason == "length" and not ends_a_sentence(summary):
-        click.echo(f"note: the summary stopped at --max-new-tokens {max_new_tokens}, in the middle of a sentence; "
-                   "a larger --max-new-tokens lets it finish", err=True)
+        click.echo(
+            f"note: the summary stopped at --max-new-tokens {max_new_tokens}, in the middle of a sentence; "
+            "a larger --max-new-tokens lets it finish",
+            err=True,
+        )
     if target is not None:
         try:
             with atomic_path(target) as partial:
@@ -142,7 +238,9 @@ def summarize(file, book, strategy, instruction, max_new_tokens, chunk_size, sec
             f"{result.tokens_per_second:.0f} tok/s) with {result.policy['policy']} {policy_text}"
             f"{sections}; {result.evictions:,} cache entries evicted; peak {result.peak_slots} per layer & KV head; "
             f"{result.tokens_generated} tokens generated ({result.stop_reason}); {result.seconds:.1f} s"
-            + (f"; wrote {out}" if out is not None else ""), err=True)
+            + (f"; wrote {out}" if out is not None else ""),
+            err=True,
+        )
 
 
 def out_path(out: Path, source: str) -> Path:
@@ -157,9 +255,13 @@ def out_path(out: Path, source: str) -> Path:
         return target
     if read.is_dir():
         if target.is_relative_to(read.resolve()):
-            raise H2OStreamError(f"--out {out} is a file of the corpus directory {source} that is being summarized: "
-                                 "the summary would replace it; choose another --out")
+            raise H2OStreamError(
+                f"--out {out} is a file of the corpus directory {source} that is being summarized: "
+                "the summary would replace it; choose another --out"
+            )
     elif os.path.samefile(target, read):
-        raise H2OStreamError(f"--out {out} is the file being summarized ({source}): the summary would replace the "
-                             "document; choose another --out")
+        raise H2OStreamError(
+            f"--out {out} is the file being summarized ({source}): the summary would replace the "
+            "document; choose another --out"
+        )
     return target

@@ -8,10 +8,21 @@ loads without torch. `feed` is the module h2o_stream.engine.feed (the function: 
 
 from h2o_stream.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    ".cache": ("StreamingCache", "StreamingLayer", "default_chunk_size"),
-    ".feed": ("chunks",),
-    ".hooks": ("attach",),
-    ".rows": ("RowsCache",),
-    ".policies": ("POLICIES", "EvictionPolicy", "Part", "declared_parts", "make_policy", "policy_class", "register"),
-})
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".cache": ("StreamingCache", "StreamingLayer", "default_chunk_size"),
+        ".feed": ("chunks",),
+        ".hooks": ("attach",),
+        ".rows": ("RowsCache",),
+        ".policies": (
+            "POLICIES",
+            "EvictionPolicy",
+            "Part",
+            "declared_parts",
+            "make_policy",
+            "policy_class",
+            "register",
+        ),
+    },
+)

@@ -8,9 +8,23 @@ import torch
 from .memo import memoised
 
 
-def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_query=None, sinks=0, *,
-                       last_query=False, query_weights=None, squares=False, virtual_logits=None, window=0,
-                       gumbel=None):
+def attend_with_scores(
+    query,
+    key,
+    value,
+    mask,
+    scaling,
+    softcap=None,
+    sink_query=None,
+    sinks=0,
+    *,
+    last_query=False,
+    query_weights=None,
+    squares=False,
+    virtual_logits=None,
+    window=0,
+    gumbel=None,
+):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
     share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
@@ -28,8 +42,9 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
     # Scaling the (small) query rather than the (q_len x k_len) logits saves a pass over the largest tensor here.
     logits = torch.matmul((query * scaling).reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2))
     if sink_query is not None:
-        sink_logits = torch.matmul((sink_query * scaling).reshape(batch, kv_heads, group * q_len, dim),
-                                   key[..., :sinks, :].transpose(-1, -2))
+        sink_logits = torch.matmul(
+            (sink_query * scaling).reshape(batch, kv_heads, group * q_len, dim), key[..., :sinks, :].transpose(-1, -2)
+        )
         logits = torch.cat([sink_logits, logits[..., sinks:]], dim=-1)
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
@@ -47,11 +62,16 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
     given = probs  # what the keys are reported to receive
     if gumbel is not None:
         noise, temperatures = gumbel
-        given = torch.softmax((logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1,
-                              dtype=torch.float32)
+        given = torch.softmax(
+            (logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1, dtype=torch.float32
+        )
     if window:
-        received = given[..., -window:, :].sum(dim=2).transpose(-1, -2).to(
-            torch.float32 if probs.device.type == "mps" else torch.float64)
+        received = (
+            given[..., -window:, :]
+            .sum(dim=2)
+            .transpose(-1, -2)
+            .to(torch.float32 if probs.device.type == "mps" else torch.float64)
+        )
     elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
         per_query = (given[..., -1:, :] if last_query else given).sum(dim=2)
@@ -74,8 +94,14 @@ def attend_with_scores(query, key, value, mask, scaling, softcap=None, sink_quer
 def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:
     """The fused path needs torch's CPU flash kernel (it returns the log-sum-exp) and every query to see the sinks
     as ordinary past keys (the chunk starts after them), so that no row of the band part is empty."""
-    return (query.device.type == "cpu" and _FLASH_CPU is not None and key.shape[-2] - query.shape[-2] >= sinks
-            and query.dtype in (torch.float32, torch.float64) and mask is not None and mask.dtype == torch.bool)
+    return (
+        query.device.type == "cpu"
+        and _FLASH_CPU is not None
+        and key.shape[-2] - query.shape[-2] >= sinks
+        and query.dtype in (torch.float32, torch.float64)
+        and mask is not None
+        and mask.dtype == torch.bool
+    )
 
 
 def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks):

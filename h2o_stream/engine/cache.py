@@ -79,8 +79,16 @@ class StreamingCache(Cache):
     model and one batch of unpadded streams; anything else is refused before the model runs (see `begin_forward`).
     """
 
-    def __init__(self, model, policy: EvictionPolicy, *, rolling: bool = True, wide_chunks: bool = False,
-                 decide_every: int | None = None, sliding: str = "window"):
+    def __init__(
+        self,
+        model,
+        policy: EvictionPolicy,
+        *,
+        rolling: bool = True,
+        wide_chunks: bool = False,
+        decide_every: int | None = None,
+        sliding: str = "window",
+    ):
         config = model.config.get_text_config(decoder=True)
         rollers = RopeRoller.for_layers(model) if rolling else [None] * config.num_hidden_layers
         # Each layer's own policy (layer_types.py): sliding-window layers keep their window by default, and a policy
@@ -91,15 +99,19 @@ class StreamingCache(Cache):
         budget = max((p.budget for p in policies if p.budget is not None), default=None)
         context = getattr(config, "max_position_embeddings", None)
         _check_context(policy, budget, context, rolling)
-        super().__init__(layers=[StreamingLayer(p, r, i) for i, (p, r) in enumerate(zip(policies, rollers, strict=True))])
+        super().__init__(
+            layers=[StreamingLayer(p, r, i) for i, (p, r) in enumerate(zip(policies, rollers, strict=True))]
+        )
         self.policy = policy
         self.sliding = sliding
         self.rolling = rolling
         # The lead layer sets the positions the model is given: the first running the chosen policy, or its first
         # global layer where each runs its own budget (the layers that run another one, sliding windows, are moved to
         # their own slots inside the forward).
-        self._lead = next((i for i, p in enumerate(policies) if p is policy),
-                          next((i for i, window in enumerate(windows) if window is None), 0))
+        self._lead = next(
+            (i for i, p in enumerate(policies) if p is policy),
+            next((i for i, window in enumerate(windows) if window is None), 0),
+        )
         lead = policies[self._lead]
         # fair chunks (the default) cut before a chunk so that no query sees more than budget + 1 keys
         self._fair = [not wide_chunks and p.band() is None and p.budget is not None for p in policies]
@@ -185,8 +197,11 @@ class StreamingCache(Cache):
         A scanned cache (`decide_every`) takes forwards of any width: it decides every `decide_every` tokens inside
         them, so no decision covers more than that.
         """
-        bounded = [p.budget for p, fair in zip(self.layer_policies, self._fair, strict=True) if p.band() is None
-                   and p.budget is not None]
+        bounded = [
+            p.budget
+            for p, fair in zip(self.layer_policies, self._fair, strict=True)
+            if p.band() is None and p.budget is not None
+        ]
         return None if not bounded or self.decide_every is not None else min(bounded)
 
     def check_chunk_size(self, chunk_size: int) -> None:
@@ -202,8 +217,14 @@ class StreamingCache(Cache):
         """
         _check_stream_fits(tokens, rolling=self.rolling, context=self.context, seen=self.seen)
 
-    def check_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> tuple[list[int] | None, int, list[int] | None]:
+    def check_forward(
+        self,
+        inputs: torch.Tensor,
+        *,
+        model=None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[list[int] | None, int, list[int] | None]:
         """Refuse (H2OStreamError) a forward this cache cannot take, changing nothing; `begin_forward`'s arguments.
         Returns its plan for `start_forward`: (its scan blocks, its first position, every token's slot or None).
 
@@ -223,8 +244,14 @@ class StreamingCache(Cache):
         _check_slots(start, slots, length, rolling=self.rolling, context=self.context)
         return blocks, start, slots
 
-    def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def begin_forward(
+        self,
+        inputs: torch.Tensor,
+        *,
+        model=None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Position ids for the forward about to run and the banded mask chunked mode needs (or None).
 
         `inputs` (batch, length[, hidden]) are its token ids or embeddings, `model` the base model running it, and
@@ -234,8 +261,9 @@ class StreamingCache(Cache):
         plan = self.check_forward(inputs, model=model, position_ids=position_ids, attention_mask=attention_mask)
         return self.start_forward(inputs, plan)
 
-    def start_forward(self, inputs: torch.Tensor, plan: tuple[list[int] | None, int, list[int] | None]
-                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def start_forward(
+        self, inputs: torch.Tensor, plan: tuple[list[int] | None, int, list[int] | None]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """`begin_forward` after its checks: set the layers up for the forward `check_forward` planned. Returns the
         position ids and the mask to give transformers (each layer makes its own mask; see hooks.py)."""
         length = inputs.shape[1]
@@ -257,8 +285,11 @@ class StreamingCache(Cache):
             layer.moved = None
             if self.rolling and layer.roller is not None and policy is not self._lead_policy:
                 if id(policy) not in own:
-                    own[id(policy)] = token_slots(policy.budget, layer.slots, self._fair[i], length, layer_blocks) \
-                        if layer_blocks is not None else range(layer.slots, layer.slots + length)
+                    own[id(policy)] = (
+                        token_slots(policy.budget, layer.slots, self._fair[i], length, layer_blocks)
+                        if layer_blocks is not None
+                        else range(layer.slots, layer.slots + length)
+                    )
                 if own[id(policy)] != given:
                     layer.moved = (given, own[id(policy)])
         positions = torch.tensor(given, device=inputs.device).unsqueeze(0)
@@ -305,7 +336,8 @@ class StreamingCache(Cache):
         if active_cache() is not self:
             raise H2OStreamError(
                 "this StreamingCache is being filled by a forward that h2o-stream did not set up: a model the cache "
-                "was not made for (make a new StreamingCache for each model) or one used inside another forward")
+                "was not made for (make a new StreamingCache for each model) or one used inside another forward"
+            )
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def transformers_mask(self, length: int, device) -> torch.Tensor | None:
@@ -321,16 +353,21 @@ class StreamingCache(Cache):
 
     def state(self) -> dict:
         """A snapshot of every layer (after any pending cut), for `load_state`."""
-        state = {"policy": self.policy.settings(), "rolling": self.rolling,
-                 "layers": [layer.state() for layer in self.layers]}
+        state = {
+            "policy": self.policy.settings(),
+            "rolling": self.rolling,
+            "layers": [layer.state() for layer in self.layers],
+        }
         if self._slides:
             state["sliding"] = self.sliding
         return state
 
     def load_state(self, state: dict) -> None:
         if state["policy"] != self.policy.settings() or state["rolling"] != self.rolling:
-            raise H2OStreamError(f"saved cache was made with {state['policy']} (rolling={state['rolling']}), "
-                                 f"not {self.policy.settings()} (rolling={self.rolling})")
+            raise H2OStreamError(
+                f"saved cache was made with {state['policy']} (rolling={state['rolling']}), "
+                f"not {self.policy.settings()} (rolling={self.rolling})"
+            )
         mine = self.sliding if self._slides else None
         if state.get("sliding") != mine:
             raise H2OStreamError(f"saved cache was made with sliding layers {state.get('sliding')!r}, not {mine!r}")

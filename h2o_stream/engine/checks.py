@@ -34,12 +34,15 @@ def _check_attention_mask(attention_mask: torch.Tensor | None) -> None:
     if attention_mask is None:
         return
     if attention_mask.dim() != 2:
-        raise H2OStreamError("a StreamingCache builds the attention mask itself: pass no attention_mask, or a 2D "
-                             f"padding mask of ones, not a {attention_mask.dim()}D mask")
+        raise H2OStreamError(
+            "a StreamingCache builds the attention mask itself: pass no attention_mask, or a 2D "
+            f"padding mask of ones, not a {attention_mask.dim()}D mask"
+        )
     if not bool(attention_mask.all()):
         raise H2OStreamError(
             "padded batches are not supported: the attention_mask has zeros, and a StreamingCache would keep, "
-            "score and position the padding as real tokens. Batch streams of equal length, or run them one at a time")
+            "score and position the padding as real tokens. Batch streams of equal length, or run them one at a time"
+        )
 
 
 def _check_context(policy, budget: int | None, context: int | None, rolling: bool) -> None:
@@ -49,10 +52,12 @@ def _check_context(policy, budget: int | None, context: int | None, rolling: boo
         if policy.layer_schedule is None:
             raise H2OStreamError(
                 f"cache size {budget} does not fit the model's context of {context} positions "
-                f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}")
+                f"(a step needs budget + 1 positions); use a cache size of at most {context - 1}"
+            )
         raise H2OStreamError(
             f"{policy.describe()} keeps {budget} entries in its lowest layer, which does not fit the model's "
-            f"context of {context} positions (a step needs budget + 1 positions); use a smaller cache size")
+            f"context of {context} positions (a step needs budget + 1 positions); use a smaller cache size"
+        )
 
 
 def _check_chunk(chunk_size: int, limit: int | None, policy) -> None:
@@ -63,7 +68,8 @@ def _check_chunk(chunk_size: int, limit: int | None, policy) -> None:
             f"{policy.describe()} decides what to keep once per chunk, and a chunk of "
             f"{chunk_size} tokens over a cache of {limit} lets its queries see up to {limit + chunk_size} keys "
             f"instead of {limit + 1}: its results would not be comparable. Use a chunk size of at most {where} "
-            f"({limit}), a larger cache, or exact (token-by-token) mode")
+            f"({limit}), a larger cache, or exact (token-by-token) mode"
+        )
 
 
 def _check_stream_fits(tokens: int, *, rolling: bool, context: int | None, seen: int) -> None:
@@ -75,14 +81,16 @@ def _check_stream_fits(tokens: int, *, rolling: bool, context: int | None, seen:
     raise H2OStreamError(
         f"without rolling, tokens sit at their stream positions and the model has {context} positions: "
         f"{context} tokens fit in all and {left} more fit in this cache ({seen} fed so far), not "
-        f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream")
+        f"{tokens}. Keep rolling on (the default) if the model uses RoPE, or feed a shorter stream"
+    )
 
 
 def _check_token_ids(policy, inputs: torch.Tensor) -> None:
     """Refuse a forward of embeddings (`inputs` not token ids) for a `policy` that reads every entry's token id."""
     if policy.needs_tokens and (inputs.dim() != 2 or inputs.is_floating_point()):
-        raise H2OStreamError(f"{policy.describe()} reads the token id of every entry: call the model with "
-                             "input_ids, not inputs_embeds")
+        raise H2OStreamError(
+            f"{policy.describe()} reads the token id of every entry: call the model with input_ids, not inputs_embeds"
+        )
 
 
 def _check_slots(start: int, slots: list[int] | None, length: int, *, rolling: bool, context: int | None) -> None:
@@ -92,7 +100,8 @@ def _check_slots(start: int, slots: list[int] | None, length: int, *, rolling: b
     if rolling and context is not None and last >= context:
         raise H2OStreamError(
             f"a chunk of {length} tokens on top of {start} cached entries needs positions up to "
-            f"{last}, beyond the model's context of {context}; use a smaller chunk or cache")
+            f"{last}, beyond the model's context of {context}; use a smaller chunk or cache"
+        )
 
 
 def _check_same_model(model, made_for, shape: tuple[int, int, int]) -> None:
@@ -103,15 +112,19 @@ def _check_same_model(model, made_for, shape: tuple[int, int, int]) -> None:
     config = model.config.get_text_config(decoder=True)
     theirs = _model_shape(config)
     differs = "" if theirs == shape else f"; that one has {_describe(theirs)}"
-    raise H2OStreamError(f"this StreamingCache was made for another model ({_describe(shape)})"
-                         f"{differs}: make a new StreamingCache for each model")
+    raise H2OStreamError(
+        f"this StreamingCache was made for another model ({_describe(shape)})"
+        f"{differs}: make a new StreamingCache for each model"
+    )
 
 
 def _check_batch(held: torch.Tensor | None, batch: int) -> None:
     """Refuse a forward's `batch` of streams other than the one the cache `held` (a layer's positions, or None)."""
     if held is not None and held.shape[0] != batch:
-        raise H2OStreamError(f"this cache holds {held.shape[0]} stream(s) and the forward brings a batch of "
-                             f"{batch}: reset() the cache (or make a new one) before changing the batch size")
+        raise H2OStreamError(
+            f"this cache holds {held.shape[0]} stream(s) and the forward brings a batch of "
+            f"{batch}: reset() the cache (or make a new one) before changing the batch size"
+        )
 
 
 def _check_positions(position_ids: torch.Tensor | None, seen: int, length: int) -> None:
@@ -131,4 +144,5 @@ def _check_positions(position_ids: torch.Tensor | None, seen: int, length: int) 
     raise H2OStreamError(
         f"{given} the stream this cache holds ({seen} tokens seen, so the next is at {seen}). "
         f"model.generate does this when given a prompt the cache already holds: pass the whole sequence so far, "
-        f"or reset() the cache or make a new one")
+        f"or reset() the cache or make a new one"
+    )

@@ -46,8 +46,9 @@ class Workspace:
     arrays: tuple = field(default=(), init=False)  # numpy views of the six above, made once
 
     def __post_init__(self):
-        self.arrays = tuple(t.numpy() for t in (self.keys, self.values, self.positions, self.scores, self.rotated,
-                                                self.current))
+        self.arrays = tuple(
+            t.numpy() for t in (self.keys, self.values, self.positions, self.scores, self.rotated, self.current)
+        )
 
     @classmethod
     def around(cls, keys, values, positions, scores, capacity: int, moments: tuple[int, ...]) -> Workspace:
@@ -55,9 +56,14 @@ class Workspace:
         trailing shape, as `EvictionPolicy.score_moments`)."""
         batch, heads, held, dim = keys.shape
         room = (batch, heads, capacity)
-        space = cls(keys.new_empty(*room, dim), values.new_empty(*room, values.shape[-1]),
-                    positions.new_empty(room), torch.zeros(*room, *(moments or (1,)), dtype=torch.float64),
-                    keys.new_empty(*room, dim), torch.zeros(batch, heads, dtype=torch.long))
+        space = cls(
+            keys.new_empty(*room, dim),
+            values.new_empty(*room, values.shape[-1]),
+            positions.new_empty(room),
+            torch.zeros(*room, *(moments or (1,)), dtype=torch.float64),
+            keys.new_empty(*room, dim),
+            torch.zeros(batch, heads, dtype=torch.long),
+        )
         space.keys[:, :, :held] = keys
         space.values[:, :, :held] = values
         space.positions[:, :, :held] = positions
@@ -76,13 +82,29 @@ class Workspace:
     def hand_out(self, held: int, with_scores: bool) -> tuple:
         """Views of the first `held` slots: (keys, values, positions, scores or None); remembered for `holds`."""
         scores = self.scores[:, :, :held]
-        self.views = (self.keys[:, :, :held], self.values[:, :, :held], self.positions[:, :, :held],
-                      (scores if scores.shape[-1] == 2 else scores[..., 0]) if with_scores else None)
+        self.views = (
+            self.keys[:, :, :held],
+            self.values[:, :, :held],
+            self.positions[:, :, :held],
+            (scores if scores.shape[-1] == 2 else scores[..., 0]) if with_scores else None,
+        )
         return self.views
 
 
-def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, scaling: float, seen: int,
-                budget: int, rule, layer_mean: bool) -> tuple[torch.Tensor, int, int, int]:
+def exact_steps(
+    space: Workspace,
+    held: int,
+    query,
+    keys,
+    values,
+    tables,
+    *,
+    scaling: float,
+    seen: int,
+    budget: int,
+    rule,
+    layer_mean: bool,
+) -> tuple[torch.Tensor, int, int, int]:
     """Run the forward's tokens one step each over `space` (holding `held` entries, at most `budget`).
 
     `query` (batch, q_heads, L, dim), `keys`/`values` (batch, kv_heads, L, dim) as the model made them (keys rotated
@@ -99,9 +121,29 @@ def exact_steps(space: Workspace, held: int, query, keys, values, tables, *, sca
     else:
         cos, sin_rh, ucos, usin_rh = (t.numpy() for t in tables)
     held, dropped, most = _run_loop(
-        query.contiguous().numpy(), keys.contiguous().numpy(), values.contiguous().numpy(), *space.arrays,
-        out.numpy(), probs, cos, sin_rh, ucos, usin_rh, tables is not None, held, seen, budget, scaling, rule.sinks,
-        rule.recent, rule.ranked, rule.decay, rule.latest_only, rule.volatile if rule.by_mean else -1, layer_mean)
+        query.contiguous().numpy(),
+        keys.contiguous().numpy(),
+        values.contiguous().numpy(),
+        *space.arrays,
+        out.numpy(),
+        probs,
+        cos,
+        sin_rh,
+        ucos,
+        usin_rh,
+        tables is not None,
+        held,
+        seen,
+        budget,
+        scaling,
+        rule.sinks,
+        rule.recent,
+        rule.ranked,
+        rule.decay,
+        rule.latest_only,
+        rule.volatile if rule.by_mean else -1,
+        layer_mean,
+    )
     return out, held, dropped, most
 
 
@@ -123,9 +165,14 @@ def _run_loop(*args):
         _clear_cache()
         result = _exact_steps(*args)
         # one line, not pointing into this module: the damage is the disk's, not the caller's code
-        warnings.warn_explicit(f"the compiled exact-mode loop's cache on disk could not be read "
-                               f"({type(error).__name__}: {str(error)[:120]}); it was cleared and the loop compiled "
-                               "afresh", RuntimeWarning, filename="h2o-stream", lineno=0)
+        warnings.warn_explicit(
+            f"the compiled exact-mode loop's cache on disk could not be read "
+            f"({type(error).__name__}: {str(error)[:120]}); it was cleared and the loop compiled "
+            "afresh",
+            RuntimeWarning,
+            filename="h2o-stream",
+            lineno=0,
+        )
         return result
 
 
@@ -187,9 +234,35 @@ def _drop_by_mean(scores, positions, n: int, stop: int, volatile: int, mean, var
 
 
 @_compile
-def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, rotated, current, out, probs, cos,
-                 sin_rh, ucos, usin_rh, rolling, held, seen, budget, scaling, sinks, recent, ranked, decay,
-                 latest_only, volatile, layer_mean):
+def _exact_steps(
+    query,
+    new_keys,
+    new_values,
+    keys,
+    values,
+    positions,
+    scores,
+    rotated,
+    current,
+    out,
+    probs,
+    cos,
+    sin_rh,
+    ucos,
+    usin_rh,
+    rolling,
+    held,
+    seen,
+    budget,
+    scaling,
+    sinks,
+    recent,
+    ranked,
+    decay,
+    latest_only,
+    volatile,
+    layer_mean,
+):
     """The compiled loop (see `exact_steps` for the arguments and the module docstring; `volatile` >= 0: rank by
     mean with roco's protected volatile entries); returns (entries held after, entries dropped, the most keys a
     query saw)."""
@@ -294,8 +367,7 @@ def _exact_steps(query, new_keys, new_values, keys, values, positions, scores, r
                 if not ranked:  # the oldest entry past the sinks
                     drop = sinks
                 elif volatile >= 0:
-                    drop = _drop_by_mean(scores[b, h], positions[b, h], n, n - recent, volatile, mean, variance,
-                                         skip)
+                    drop = _drop_by_mean(scores[b, h], positions[b, h], n, n - recent, volatile, mean, variance, skip)
                 else:  # the lowest score; of equal lowest, the newest
                     drop = _lowest(scores[b, h, :, 0], sinks, n - recent, skip)
                 for j in range(drop, n - 1):

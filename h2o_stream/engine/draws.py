@@ -54,8 +54,9 @@ def _as_bits(x: torch.Tensor) -> torch.Tensor:
     return torch.where(x >= 1 << 31, x - (1 << 32), x).to(torch.int32)
 
 
-def gumbel_noise(seed: int, layer: int, group: int, queries: torch.Tensor, keys: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
+def gumbel_noise(
+    seed: int, layer: int, group: int, queries: torch.Tensor, keys: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The draws of one forward: (batch, kv_heads, group, q_len, k_len), as `dtype`.
 
     `queries` (q_len,) and `keys` (batch, kv_heads, k_len) are stream indices; query head h reads KV head
@@ -68,7 +69,7 @@ def gumbel_noise(seed: int, layer: int, group: int, queries: torch.Tensor, keys:
         _uniforms(heads.numpy(), keys.numpy(), queries.numpy(), uniform.numpy())
     else:
         uniform = ((draw_bits(seed, layer, group, queries, keys) >> 9) & 0x7FFFFF).to(torch.float32)
-        uniform.add_(0.5).mul_(2.0 ** -23)
+        uniform.add_(0.5).mul_(2.0**-23)
     return uniform.log_().neg_().log_().neg_().to(dtype)
 
 
@@ -114,7 +115,7 @@ def _uniforms(heads, keys, queries, out):  # pragma: no cover (compiled; tested 
                     row = out[b, kv, g, q]
                     for k in range(k_len):
                         hashed = _mix64(by_head_key[k] ^ by_query[q])
-                        row[k] = (np.float32(hashed >> np.uint64(9)) + np.float32(0.5)) * np.float32(2.0 ** -23)
+                        row[k] = (np.float32(hashed >> np.uint64(9)) + np.float32(0.5)) * np.float32(2.0**-23)
 
 
 @numba.njit(inline="always")
@@ -131,10 +132,11 @@ def entry_uniforms(seed: int, layer: int, positions: torch.Tensor) -> torch.Tens
     """One uniform in (0, 1) per entry of `positions` (batch, kv_heads, n; stream indices), float64: for KV head h,
     u = (mix(head_key(seed, layer, h) ^ mix(p + salt)) // 2**9 + 1/2) / 2**23."""
     kv_heads = positions.shape[1]
-    heads = torch.tensor([head_key(seed, layer, h) for h in range(kv_heads)], dtype=torch.long,
-                         device=positions.device).view(1, kv_heads, 1)
+    heads = torch.tensor(
+        [head_key(seed, layer, h) for h in range(kv_heads)], dtype=torch.long, device=positions.device
+    ).view(1, kv_heads, 1)
     hashed = mix(heads ^ mix((positions + _SALT) & _MASK))
-    return ((hashed >> 9).to(torch.float64) + 0.5) * 2.0 ** -23
+    return ((hashed >> 9).to(torch.float64) + 0.5) * 2.0**-23
 
 
 def temperatures(tau_init: float, tau_end: float, steps: int, queries: torch.Tensor) -> torch.Tensor:

@@ -12,12 +12,17 @@ from .cache import StreamingCache
 def chunks(ids: torch.Tensor, chunk_size: int) -> Iterator[torch.Tensor]:
     """(1, L) token ids in pieces of at most `chunk_size` (1 = exact, token-by-token mode)."""
     for start in range(0, ids.shape[-1], chunk_size):
-        yield ids[..., start:start + chunk_size]
+        yield ids[..., start : start + chunk_size]
 
 
 @torch.no_grad()
-def feed(model, cache: StreamingCache, ids: torch.Tensor, chunk_size: int = 1,
-         on_chunk: Callable[[torch.Tensor, torch.Tensor], None] | None = None) -> torch.Tensor:
+def feed(
+    model,
+    cache: StreamingCache,
+    ids: torch.Tensor,
+    chunk_size: int = 1,
+    on_chunk: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
     """Run `ids` (1, L) through the model into `cache`, `chunk_size` tokens per forward; return the logits of the
     last token (vocab,), i.e. the prediction for what comes next. `on_chunk(chunk_ids, chunk_logits)` sees each
     chunk's logits (1, C, vocab) as it is computed, e.g. to score or to show progress.
@@ -32,7 +37,7 @@ def feed(model, cache: StreamingCache, ids: torch.Tensor, chunk_size: int = 1,
     logits, start, limit = None, 0, cache.max_chunk
     while start < ids.shape[-1]:
         size = chunk_size if limit is None or cache.seen == 0 else min(chunk_size, limit)  # seen: slots would settle
-        piece = ids[..., start:start + size]
+        piece = ids[..., start : start + size]
         logits = model(piece, cache=cache, logits_to_keep=0 if on_chunk else 1).logits
         if on_chunk is not None:
             on_chunk(piece, logits)

@@ -49,19 +49,23 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if cache is None:  # another cache or none: what the model would do without h2o-stream
         if extras.plain:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                          dropout=dropout, **kwargs)
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
+            )
         if attention_mask is None and query.shape[-2] > 1:  # transformers leaves out a mask that is only causal
             attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
-        return attend_with_scores(query, key, value, attention_mask, scaling, extras.softcap,
-                                  virtual_logits=extras.sinks)[0], None
+        return attend_with_scores(
+            query, key, value, attention_mask, scaling, extras.softcap, virtual_logits=extras.sinks
+        )[0], None
     layer = cache.layers[module.layer_idx]
     rows = getattr(layer, "rows", None)
     if rows is None:
         return _layer_attention(layer, query, key, value, scaling, extras), None
     # a RowsCache (engine/rows.py): every row attends over its own cache, as that cache alone would
-    outputs = [_layer_attention(row, query[i:i + 1], *(layer.attend_to[i] or (None, None)), scaling, extras)
-               for i, row in enumerate(rows)]
+    outputs = [
+        _layer_attention(row, query[i : i + 1], *(layer.attend_to[i] or (None, None)), scaling, extras)
+        for i, row in enumerate(rows)
+    ]
     return torch.cat(outputs), None
 
 
@@ -78,8 +82,9 @@ class Extras:
 
     @property
     def what(self) -> str:
-        return " and ".join(n for n, v in (("logit soft-capping", self.softcap), ("learned sink logits", self.sinks))
-                            if v is not None)
+        return " and ".join(
+            n for n, v in (("logit soft-capping", self.softcap), ("learned sink logits", self.sinks)) if v is not None
+        )
 
 
 _said: set[str] = set()
@@ -90,8 +95,11 @@ def say_once(path: str, what: str) -> None:
     the general one (the same numbers, slower)."""
     if (path, what) not in _said:
         _said.add((path, what))
-        warnings.warn(f"the {path} does not take {what}: those layers run on the general attention path instead "
-                      "(the same numbers, slower)", stacklevel=2)
+        warnings.warn(
+            f"the {path} does not take {what}: those layers run on the general attention path instead "
+            "(the same numbers, slower)",
+            stacklevel=2,
+        )
 
 
 def _layer_attention(layer, query, key, value, scaling, extras: Extras):
@@ -103,8 +111,11 @@ def _layer_attention(layer, query, key, value, scaling, extras: Extras):
     mask = layer.mask(query.shape[-2], key.shape[-2] - query.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
-    if not layer.policy.needs_scores and sink_query is not None and fused_sink_attention_applies(query, key, mask,
-                                                                                                sinks):
+    if (
+        not layer.policy.needs_scores
+        and sink_query is not None
+        and fused_sink_attention_applies(query, key, mask, sinks)
+    ):
         if extras.plain:
             output = attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks)
             layer.after_attention(None, steps=query.shape[-2])
@@ -119,15 +130,29 @@ def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=
     if policy.needs_scores or not extras.plain or sink_query is not None:
         # exact mode (one query) needs no weights: every weight would be 1
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
-        gumbel = layer.gumbel_draws(query.shape[-2], query.shape[1] // key.shape[1], query.dtype) \
-            if policy.gumbel else None
-        output, received = attend_with_scores(query, key, value, mask, scaling, extras.softcap, sink_query, sinks,
-                                              last_query=policy.score_queries == "last", query_weights=weights,
-                                              squares=policy.score_squares, virtual_logits=extras.sinks,
-                                              window=policy.score_window, gumbel=gumbel)
+        gumbel = (
+            layer.gumbel_draws(query.shape[-2], query.shape[1] // key.shape[1], query.dtype) if policy.gumbel else None
+        )
+        output, received = attend_with_scores(
+            query,
+            key,
+            value,
+            mask,
+            scaling,
+            extras.softcap,
+            sink_query,
+            sinks,
+            last_query=policy.score_queries == "last",
+            query_weights=weights,
+            squares=policy.score_squares,
+            virtual_logits=extras.sinks,
+            window=policy.score_window,
+            gumbel=gumbel,
+        )
     else:
-        output = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling,
-                                                enable_gqa=key.shape[1] != query.shape[1]).transpose(1, 2)
+        output = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+        ).transpose(1, 2)
         received = None
     if not policy.needs_scores:
         received = None
@@ -154,7 +179,7 @@ def _scan(layer, query, scaling, extras: Extras):
         for length in layer.scan:
             key, value = layer.open_block(start, length)
             mask = causal_additive_mask(length, key.shape[-2], query.device, query.dtype)
-            outputs.append(_attend(layer, query[..., start:start + length, :], key, value, mask, scaling, extras))
+            outputs.append(_attend(layer, query[..., start : start + length, :], key, value, mask, scaling, extras))
             start += length
     finally:
         layer.close_scan()
@@ -174,8 +199,8 @@ def _before_forward(module, args, kwargs):
     try:
         # The cache checks the forward (model, batch, padding, positions, chunk, context) before anything runs.
         kwargs["position_ids"], band_mask = cache.begin_forward(
-            inputs, model=module, position_ids=kwargs.get("position_ids"),
-            attention_mask=kwargs.get("attention_mask"))
+            inputs, model=module, position_ids=kwargs.get("position_ids"), attention_mask=kwargs.get("attention_mask")
+        )
     except BaseException:
         _leave(inference)
         raise

@@ -64,8 +64,9 @@ class StreamingLayer(CacheLayerMixin):
         self.values = value_states[..., :0, :].clone()
         self.positions = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         if self.policy.needs_scores:  # a policy without them carries none (no tensor to grow and cut every step)
-            self.scores = torch.empty(batch, heads, 0, *self.policy.score_moments, dtype=self._score_dtype,
-                                      device=self.device)
+            self.scores = torch.empty(
+                batch, heads, 0, *self.policy.score_moments, dtype=self._score_dtype, device=self.device
+            )
         if self.policy.needs_tokens:
             self.tokens = torch.empty(batch, heads, 0, dtype=torch.long, device=self.device)
         self.is_initialized = True
@@ -107,7 +108,7 @@ class StreamingLayer(CacheLayerMixin):
             self.make_room(length)
         keys, values = self._incoming
         self._block_is_last = start + length == keys.shape[-2]
-        tokens = None if self.pending_tokens is None else self.pending_tokens[:, start:start + length]
+        tokens = None if self.pending_tokens is None else self.pending_tokens[:, start : start + length]
         block = slice(start, start + length)
         return self._append(keys[..., block, :], values[..., block, :], tokens)
 
@@ -120,8 +121,12 @@ class StreamingLayer(CacheLayerMixin):
         """Whether the scanned forward now running goes through the compiled loop (`compiled_steps`): its blocks are
         one token each (set by the cache) and its attention fits the loop (CPU, float32/float64, a rotation of
         halves; the attention function checks the model's extras: soft-capping, sink logits)."""
-        return (self.compiled and query.device.type == "cpu" and query.dtype in (torch.float32, torch.float64)
-                and (self.roller is None or not self.roller.pairs))
+        return (
+            self.compiled
+            and query.device.type == "cpu"
+            and query.dtype in (torch.float32, torch.float64)
+            and (self.roller is None or not self.roller.pairs)
+        )
 
     def compiled_steps(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
         """The scanned forward's one-token blocks in one compiled call (engine/compiled.py): the same appends,
@@ -132,16 +137,27 @@ class StreamingLayer(CacheLayerMixin):
         budget = self.policy.budget
         space = self._workspace
         if space is None or not space.holds(self.keys):
-            space = self._workspace = compiled.Workspace.around(self.keys, self.values, self.positions, self.scores,
-                                                                budget + 1, self.policy.score_moments)
+            space = self._workspace = compiled.Workspace.around(
+                self.keys, self.values, self.positions, self.scores, budget + 1, self.policy.score_moments
+            )
         tables = None
         if self.roller is not None:
             table = self.roller.table(budget + 1, self.device)
             tables = (table["cos"], table["sin_rh"], table["ucos"], table["usin_rh"])
         keys, values = self._incoming
         output, held, dropped, most = compiled.exact_steps(
-            space, self.slots, query, keys, values, tables, scaling=scaling, seen=self.seen, budget=budget,
-            rule=self.drop_rule, layer_mean=self.policy.score_heads == "layer")
+            space,
+            self.slots,
+            query,
+            keys,
+            values,
+            tables,
+            scaling=scaling,
+            seen=self.seen,
+            budget=budget,
+            rule=self.drop_rule,
+            layer_mean=self.policy.score_heads == "layer",
+        )
         self.keys, self.values, self.positions, self.scores = space.hand_out(held, self.scores is not None)
         self.seen += keys.shape[-2]
         self.evicted += dropped
@@ -227,8 +243,9 @@ class StreamingLayer(CacheLayerMixin):
         self.evicted += self.positions.numel() - rows.numel()
         if policy.eviction == "merge":  # what goes is merged into the entries after it first
             kept = torch.zeros(self.positions.numel(), dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
-            self.values = policy.merged(self.values, self.positions, self.scores, kept.view(self.positions.shape),
-                                        self.index)
+            self.values = policy.merged(
+                self.values, self.positions, self.scores, kept.view(self.positions.shape), self.index
+            )
         self.keys = _take(self.keys, rows, budget)
         self.values = _take(self.values, rows, budget)
         self.positions = _take(self.positions, rows, budget)

@@ -32,19 +32,21 @@ def layer_windows(config) -> list[int | None]:
         return [window] * layers
     unknown = sorted(set(types) - {_GLOBAL, _SLIDING})
     if unknown:
-        raise H2OStreamError(f"layers of type {', '.join(unknown)} are not supported (h2o-stream streams "
-                             f"{_GLOBAL} and {_SLIDING} layers)")
+        raise H2OStreamError(
+            f"layers of type {', '.join(unknown)} are not supported (h2o-stream streams "
+            f"{_GLOBAL} and {_SLIDING} layers)"
+        )
     return [window if kind == _SLIDING else None for kind in types]
 
 
-def layer_policies(policy: EvictionPolicy, windows: list[int | None], sliding: str = "window"
-                   ) -> list[EvictionPolicy]:
+def layer_policies(policy: EvictionPolicy, windows: list[int | None], sliding: str = "window") -> list[EvictionPolicy]:
     """The policy of every layer (see the module docstring); layers that run the chosen policy get `policy` itself
     (or, with a per-layer schedule, the global layers their own budget: `EvictionPolicy.for_layers`; where every
     layer slides, every layer its own, capped at its window), the others one policy object per window size."""
     if sliding not in SLIDING_MODES:
-        raise H2OStreamError(f"sliding layers keep their window or run the policy ({', '.join(SLIDING_MODES)}), "
-                             f"not {sliding!r}")
+        raise H2OStreamError(
+            f"sliding layers keep their window or run the policy ({', '.join(SLIDING_MODES)}), not {sliding!r}"
+        )
     all_slide = all(window is not None for window in windows)
     spread = all_slide and policy.layer_schedule is not None  # no global layer: the schedule spreads over all
     scheduled = iter(policy.for_layers(len(windows) if spread else sum(window is None for window in windows)))
@@ -72,8 +74,9 @@ def capped(policy: EvictionPolicy, entries: int) -> EvictionPolicy:
     return policy if policy.budget <= entries else policy.reduced(entries)
 
 
-def token_slots(budget: int | None, held: int, fair: bool, length: int, blocks: list[int] | None
-                ) -> range | tuple[int, ...]:
+def token_slots(
+    budget: int | None, held: int, fair: bool, length: int, blocks: list[int] | None
+) -> range | tuple[int, ...]:
     """With rolling, the slot of every token of a forward of `length` tokens into a layer holding `held` entries:
     a fair chunk first cuts to budget + 1 - length; a scanned forward's blocks (`blocks`) each find n entries (after
     their fair cut), take slots n..n+C-1, and their cut leaves min(n + C, budget)."""

@@ -18,13 +18,16 @@ if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loa
 def memoised(maxsize: int):
     """`functools.lru_cache(maxsize)` for a function returning tensors, which it makes outside inference mode (and
     without autograd). Never modify the results."""
+
     def wrap(make):
         @functools.lru_cache(maxsize=maxsize)
         @functools.wraps(make)
         def made(*args, **kwargs):
             with outside_inference_mode():
                 return make(*args, **kwargs)
+
         return made
+
     return wrap
 
 
@@ -32,6 +35,7 @@ def memoised(maxsize: int):
 def outside_inference_mode():
     """A context making ordinary tensors, with autograd off, even inside an inference-mode forward."""
     import torch
+
     with torch.inference_mode(False), torch.no_grad():
         yield
 

@@ -39,7 +39,7 @@ class RowsLayer(CacheLayerMixin):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Give each row its own row of the new entries; the attention function reads `attend_to`."""
-        self.attend_to = [row.update(key_states[i:i + 1], value_states[i:i + 1]) for i, row in enumerate(self.rows)]
+        self.attend_to = [row.update(key_states[i : i + 1], value_states[i : i + 1]) for i, row in enumerate(self.rows)]
         return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
@@ -70,25 +70,40 @@ class RowsCache(Cache):
         for cache in caches:
             cache._check_model(model.base_model)
         self.caches = caches
-        super().__init__(layers=[RowsLayer([cache.layers[i] for cache in caches])
-                                 for i in range(len(caches[0].layers))])
+        super().__init__(
+            layers=[RowsLayer([cache.layers[i] for cache in caches]) for i in range(len(caches[0].layers))]
+        )
         attach(model)
 
-    def begin_forward(self, inputs: torch.Tensor, *, model=None, position_ids: torch.Tensor | None = None,
-                      attention_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, None]:
+    def begin_forward(
+        self,
+        inputs: torch.Tensor,
+        *,
+        model=None,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, None]:
         """Each row's position ids (stacked) for the forward about to run (each row's layers make their own masks).
         Every row is checked first (`StreamingCache.check_forward`), then each starts with its plan."""
         if inputs.shape[0] != len(self.caches):
-            raise H2OStreamError(f"this RowsCache has {len(self.caches)} rows and the forward brings a batch of "
-                                 f"{inputs.shape[0]}: pass one row of tokens per cache")
+            raise H2OStreamError(
+                f"this RowsCache has {len(self.caches)} rows and the forward brings a batch of "
+                f"{inputs.shape[0]}: pass one row of tokens per cache"
+            )
 
         def row(tensor, i):
-            return None if tensor is None else tensor[i:i + 1]
+            return None if tensor is None else tensor[i : i + 1]
 
-        plans = [cache.check_forward(inputs[i:i + 1], model=model, position_ids=row(position_ids, i),
-                                     attention_mask=row(attention_mask, i)) for i, cache in enumerate(self.caches)]
-        positions = [cache.start_forward(inputs[i:i + 1], plan)[0]
-                     for i, (cache, plan) in enumerate(zip(self.caches, plans, strict=True))]
+        plans = [
+            cache.check_forward(
+                inputs[i : i + 1], model=model, position_ids=row(position_ids, i), attention_mask=row(attention_mask, i)
+            )
+            for i, cache in enumerate(self.caches)
+        ]
+        positions = [
+            cache.start_forward(inputs[i : i + 1], plan)[0]
+            for i, (cache, plan) in enumerate(zip(self.caches, plans, strict=True))
+        ]
         return torch.cat(positions), None
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):

@@ -59,17 +59,32 @@ Summarize, for example::
 from .decode import STOP_REASONS, Decoder, Generation, generate
 from .sampling import Sampling, logits_processors, pick_token
 from .stops import (
-                    STAND_IN_REPLY,
-                    STAND_IN_USER,
-                    TemplateError,
-                    closing_text,
-                    end_of_turn_id,
-                    render,
-                    stop_token_ids,
-                    suffix,
+    STAND_IN_REPLY,
+    STAND_IN_USER,
+    TemplateError,
+    closing_text,
+    end_of_turn_id,
+    render,
+    stop_token_ids,
+    suffix,
 )
 from .stream import TextStream
 
-__all__ = ["STAND_IN_REPLY", "STAND_IN_USER", "STOP_REASONS", "Decoder", "Generation", "Sampling", "TemplateError",
-           "TextStream", "closing_text", "end_of_turn_id", "generate", "logits_processors", "pick_token", "render",
-           "stop_token_ids", "suffix"]
+__all__ = [
+    "STAND_IN_REPLY",
+    "STAND_IN_USER",
+    "STOP_REASONS",
+    "Decoder",
+    "Generation",
+    "Sampling",
+    "TemplateError",
+    "TextStream",
+    "closing_text",
+    "end_of_turn_id",
+    "generate",
+    "logits_processors",
+    "pick_token",
+    "render",
+    "stop_token_ids",
+    "suffix",
+]

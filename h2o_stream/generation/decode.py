@@ -51,9 +51,17 @@ class Decoder:
     the reply (as `model.generate` counts the prompt); default none, so only the reply itself is penalized.
     """
 
-    def __init__(self, model, tokenizer, sampling: Sampling, *, stop_ids: Iterable[int],
-                 generator: torch.Generator | None = None, stop_strings: tuple[str, ...] = (),
-                 context_ids: Iterable[int] = ()):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        sampling: Sampling,
+        *,
+        stop_ids: Iterable[int],
+        generator: torch.Generator | None = None,
+        stop_strings: tuple[str, ...] = (),
+        context_ids: Iterable[int] = (),
+    ):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_ids = set(stop_ids)
         self.generator = generator if generator is not None else torch.Generator().manual_seed(sampling.seed)
@@ -62,8 +70,14 @@ class Decoder:
         self.processors = logits_processors(sampling)
         self.result = Generation()
 
-    def stream(self, cache: StreamingCache, logits: torch.Tensor, *, max_new_tokens: int | None = None,
-               should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
+    def stream(
+        self,
+        cache: StreamingCache,
+        logits: torch.Tensor,
+        *,
+        max_new_tokens: int | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> Iterator[str]:
         """Generate from `logits` (vocab,), the prediction after the prompt in `cache`, yielding text as it becomes
         final; returns the Generation (also `self.result`, which stays current if the stream is closed early).
         `should_stop()` is polled before every token; True ends the reply there ("cancelled")."""
@@ -75,8 +89,9 @@ class Decoder:
             if should_stop is not None and should_stop():
                 result.stop_reason = "cancelled"
                 break
-            token = pick_token(logits, self.context_ids + result.token_ids, self.sampling, self.processors,
-                               self.generator)
+            token = pick_token(
+                logits, self.context_ids + result.token_ids, self.sampling, self.processors, self.generator
+            )
             if token in self.stop_ids:
                 result.stop_reason = "eos"
                 break
@@ -103,14 +118,31 @@ class Decoder:
         return result
 
 
-def generate(model, tokenizer, cache: StreamingCache, logits: torch.Tensor, sampling: Sampling, *,
-             stop_ids: Iterable[int], generator: torch.Generator | None = None, stop_strings: tuple[str, ...] = (),
-             context_ids: Iterable[int] = (), max_new_tokens: int | None = None,
-             should_stop: Callable[[], bool] | None = None,
-             on_text: Callable[[str], None] | None = None) -> Generation:
+def generate(
+    model,
+    tokenizer,
+    cache: StreamingCache,
+    logits: torch.Tensor,
+    sampling: Sampling,
+    *,
+    stop_ids: Iterable[int],
+    generator: torch.Generator | None = None,
+    stop_strings: tuple[str, ...] = (),
+    context_ids: Iterable[int] = (),
+    max_new_tokens: int | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_text: Callable[[str], None] | None = None,
+) -> Generation:
     """Decode one reply (see `Decoder`), passing each piece of text to `on_text` as it becomes final."""
-    decoder = Decoder(model, tokenizer, sampling, stop_ids=stop_ids, generator=generator, stop_strings=stop_strings,
-                      context_ids=context_ids)
+    decoder = Decoder(
+        model,
+        tokenizer,
+        sampling,
+        stop_ids=stop_ids,
+        generator=generator,
+        stop_strings=stop_strings,
+        context_ids=context_ids,
+    )
     for piece in decoder.stream(cache, logits, max_new_tokens=max_new_tokens, should_stop=should_stop):
         if on_text is not None:
             on_text(piece)

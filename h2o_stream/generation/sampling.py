@@ -118,8 +118,13 @@ class SortFreeTopPLogitsWarper(TopPLogitsWarper):
         return scores.masked_fill(scores < threshold, self.filter_value)
 
 
-def pick_token(logits: torch.Tensor, seen: list[int], sampling: Sampling, processors: LogitsProcessorList,
-               generator: torch.Generator | None) -> int:
+def pick_token(
+    logits: torch.Tensor,
+    seen: list[int],
+    sampling: Sampling,
+    processors: LogitsProcessorList,
+    generator: torch.Generator | None,
+) -> int:
     """The next token after `logits` (vocab,), with `seen` the ids the processors look at (the reply so far, after
     any context). Scores are taken to CPU float32 first, so a seed draws the same tokens on any device."""
     scores = logits.detach().reshape(1, -1).to("cpu", torch.float32)

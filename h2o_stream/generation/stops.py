@@ -35,7 +35,7 @@ def suffix(whole: str, prefix: str, what: str) -> str:
     """`whole` minus `prefix`; TemplateError if rendering `what` changed the text before it."""
     if not whole.startswith(prefix):
         raise TemplateError(f"rendering {what} rewrites the text before it")
-    return whole[len(prefix):]
+    return whole[len(prefix) :]
 
 
 def closing_text(tokenizer, system: str | None = None) -> str:

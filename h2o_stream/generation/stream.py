@@ -47,10 +47,15 @@ class TextStream(TextStreamer):
                 self._held, self.stopped = "", stop
                 self._release(held[:at])
                 return
-        keep = 0 if stream_end else max((k for stop in self.stop_strings for k in range(1, len(stop))
-                                         if held.endswith(stop[:k])), default=0)
-        self._held = held[len(held) - keep:] if keep else ""
-        self._release(held[:len(held) - keep])
+        keep = (
+            0
+            if stream_end
+            else max(
+                (k for stop in self.stop_strings for k in range(1, len(stop)) if held.endswith(stop[:k])), default=0
+            )
+        )
+        self._held = held[len(held) - keep :] if keep else ""
+        self._release(held[: len(held) - keep])
 
     def _release(self, text: str) -> None:
         if not self._started:  # a reply's leading whitespace is not shown

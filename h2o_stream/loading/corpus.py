@@ -22,8 +22,13 @@ from .corpus_files import FORMATS, Book, book_from_row, file_books
 HUB_PG19 = "emozilla/pg19-test"  # the widely used copy of the PG-19 test split
 SAMPLE = "sample"  # the name that selects the shipped sample (a local folder of that name: write ./sample)
 SAMPLE_FILE = Path(__file__).with_name("sample") / "gutenberg.jsonl.gz"  # provenance in sample/README.md
-SAMPLE_TITLES = ("Pride and Prejudice", "Frankenstein", "Moby Dick; or, The Whale",
-                 "The Adventures of Sherlock Holmes", "The Time Machine")
+SAMPLE_TITLES = (
+    "Pride and Prejudice",
+    "Frankenstein",
+    "Moby Dick; or, The Whale",
+    "The Adventures of Sherlock Holmes",
+    "The Time Machine",
+)
 LOCAL_SUFFIXES = (".jsonl", ".parquet", ".txt", ".md", ".jsonl.gz", ".txt.gz")  # what a directory is searched for
 _USE_LOCAL = f"pass --data sample or a local corpus with --data PATH ({FORMATS})"
 
@@ -68,8 +73,13 @@ def corpus_digest(source: str | os.PathLike | None) -> tuple[int, str] | None:
 def _directory_files(path: Path) -> list[Path]:
     """The files of directory `path` that make its corpus, in reading order (hidden ones left out)."""
     files = sorted(
-        (p for p in path.rglob("*") if p.name.lower().endswith(LOCAL_SUFFIXES) and p.is_file()
-         and not any(part.startswith(".") for part in p.relative_to(path).parts)),
+        (
+            p
+            for p in path.rglob("*")
+            if p.name.lower().endswith(LOCAL_SUFFIXES)
+            and p.is_file()
+            and not any(part.startswith(".") for part in p.relative_to(path).parts)
+        ),
         key=lambda p: p.relative_to(path).parts,
     )
     if not files:
@@ -89,8 +99,10 @@ def describe_source(source: str | os.PathLike | None) -> str:
     if source is None:
         return f"{HUB_PG19} (Hugging Face Hub, streaming)"
     if _is_sample(source):
-        return (f"{SAMPLE}: {len(SAMPLE_TITLES)} Gutenberg books shipped with h2o-stream {_version()} "
-                f"({' / '.join(SAMPLE_TITLES)})")
+        return (
+            f"{SAMPLE}: {len(SAMPLE_TITLES)} Gutenberg books shipped with h2o-stream {_version()} "
+            f"({' / '.join(SAMPLE_TITLES)})"
+        )
     path = Path(source)
     name = path.name.lower()
     if path.is_dir():
@@ -137,8 +149,9 @@ def read_book(source: str | os.PathLike, book: int | str | None = None) -> tuple
         raise H2OStreamError(f"{label} holds no books")
     examples = ", ".join(f"{i}: {t!r}" for i, t in enumerate(titles[:5])) + (", ..." if len(titles) > 5 else "")
     if book is None and len(titles) > 1:
-        raise H2OStreamError(f"{label} holds {len(titles)} books: choose one by index or title (--book / book=), "
-                             f"e.g. {examples}")
+        raise H2OStreamError(
+            f"{label} holds {len(titles)} books: choose one by index or title (--book / book=), e.g. {examples}"
+        )
     if chosen is None and len(partial) > 1:
         names = ", ".join(repr(t) for _, t in partial[:5])
         raise H2OStreamError(f"book {book!r} matches {len(partial)} titles ({names}): be more specific")
@@ -163,8 +176,11 @@ def _hub_books() -> Iterator[Book]:
     import datasets  # slow to import; only the Hub path needs it
 
     def failure(exc: Exception, books_read: int) -> H2OStreamError:
-        what = ("could not load PG-19 from the Hugging Face Hub" if books_read == 0
-                else f"lost the Hugging Face Hub after {books_read} PG-19 books")
+        what = (
+            "could not load PG-19 from the Hugging Face Hub"
+            if books_read == 0
+            else f"lost the Hugging Face Hub after {books_read} PG-19 books"
+        )
         return H2OStreamError(f"{what} ({one_line(exc)}); {_USE_LOCAL}")
 
     try:

@@ -16,14 +16,16 @@ from pathlib import Path
 from h2o_stream.errors import H2OStreamError, one_line
 
 #: what a corpus may be: said by every error about a source that cannot be read
-FORMATS = ("a corpus is 'sample', a .jsonl/.jsonl.gz (PG-19 columns), .parquet or UTF-8 text file, "
-           "or a directory of them")
+FORMATS = (
+    "a corpus is 'sample', a .jsonl/.jsonl.gz (PG-19 columns), .parquet or UTF-8 text file, or a directory of them"
+)
 _HEAD_BYTES = 8192  # a NUL byte in this much of a file means it is binary
 
 
 @dataclass(frozen=True)
 class Book:
     """One book (or document): its title and its whole text."""
+
     title: str
     text: str
 
@@ -45,8 +47,10 @@ def file_books(path: Path) -> Iterator[Book]:
         stream = gzip.GzipFile(fileobj=f, mode="rb") if name.endswith(".gz") else f
         name = name.removesuffix(".gz")
         if b"\0" in _read(path, stream.read, _HEAD_BYTES):
-            raise H2OStreamError(f"{path} is not UTF-8 text: it looks like a binary file (it contains NUL bytes); "
-                                 "pass a .jsonl, .parquet or plain text file instead")
+            raise H2OStreamError(
+                f"{path} is not UTF-8 text: it looks like a binary file (it contains NUL bytes); "
+                "pass a .jsonl, .parquet or plain text file instead"
+            )
         stream.seek(0)
         if name.endswith(".jsonl"):
             yield from _jsonl_books(path, _lines(path, stream))
@@ -138,8 +142,9 @@ def _parquet_rows(path: Path) -> Iterator[Book]:
         try:
             rows = parquet.read_row_group(group, columns=columns)
         except (pa.ArrowException, OSError) as exc:  # a damaged data page: the footer read fine, the data does not
-            raise H2OStreamError(f"{path} is damaged: row group {group} (after row {n}) cannot be read "
-                                 f"({one_line(exc)})") from exc
+            raise H2OStreamError(
+                f"{path} is damaged: row group {group} (after row {n}) cannot be read ({one_line(exc)})"
+            ) from exc
         for batch in rows.to_batches(max_chunksize=8):
             for row in batch.to_pylist():
                 n += 1
@@ -159,11 +164,15 @@ def _text_book(path: Path, data: bytes) -> Book:
 def book_from_row(row, *, where: str, fallback_title: str) -> Book:
     """A Book from a PG-19-style row: `text`, title from `short_book_title`, else `title`, else `fallback_title`."""
     if not isinstance(row, dict):
-        raise H2OStreamError(f"{where} is a JSON {type(row).__name__}, not an object; each row must be an object "
-                             "with the book in a 'text' field")
+        raise H2OStreamError(
+            f"{where} is a JSON {type(row).__name__}, not an object; each row must be an object "
+            "with the book in a 'text' field"
+        )
     if "text" not in row:
-        raise H2OStreamError(f"{where} has no 'text' field (fields: {', '.join(map(str, row)) or 'none'}); "
-                             "each row needs the book's text in 'text'")
+        raise H2OStreamError(
+            f"{where} has no 'text' field (fields: {', '.join(map(str, row)) or 'none'}); "
+            "each row needs the book's text in 'text'"
+        )
     text = row["text"]
     if not isinstance(text, str):
         raise H2OStreamError(f"{where}: 'text' is {type(text).__name__}, not a string; it must hold the book's text")
@@ -173,5 +182,7 @@ def book_from_row(row, *, where: str, fallback_title: str) -> Book:
 
 
 def _not_utf8(path: Path, exc: UnicodeDecodeError, data: bytes, where: str = "") -> H2OStreamError:
-    return H2OStreamError(f"{path} is not UTF-8 text ({where}byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                          "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8")
+    return H2OStreamError(
+        f"{path} is not UTF-8 text ({where}byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+        "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
+    )

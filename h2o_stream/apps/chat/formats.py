@@ -66,8 +66,10 @@ class TemplateFormat(ChatFormat):
     def __init__(self, tokenizer, system: str | None):
         super().__init__(tokenizer, system)
         self._base = [{"role": "system", "content": system}] if system else []
-        self._before_later_turns = self._base + [{"role": "user", "content": STAND_IN_USER},
-                                                 {"role": "assistant", "content": STAND_IN_REPLY}]
+        self._before_later_turns = self._base + [
+            {"role": "user", "content": STAND_IN_USER},
+            {"role": "assistant", "content": STAND_IN_REPLY},
+        ]
         self._closing = closing_text(tokenizer, system)
         self._closing_ids = self.encode(self._closing)
         end = end_of_turn_id(tokenizer, self._closing)
@@ -96,8 +98,11 @@ class TemplateFormat(ChatFormat):
     def _check_adds_up(self) -> None:
         u1, a1, u2 = "What is two plus two?", "Four.", "And three plus three?"
         pieces = self.user_text(u1, first=True) + a1 + self._closing + self.user_text(u2, first=False)
-        whole = self._render(self._base + [{"role": "user", "content": u1}, {"role": "assistant", "content": a1},
-                                           {"role": "user", "content": u2}], True)
+        whole = self._render(
+            self._base
+            + [{"role": "user", "content": u1}, {"role": "assistant", "content": a1}, {"role": "user", "content": u2}],
+            True,
+        )
         if pieces != whole:
             raise TemplateError("its turns do not add up to the rendering of the whole conversation")
 
@@ -136,10 +141,17 @@ def chat_format(tokenizer, system: str | None = None) -> ChatFormat:
     """The tokenizer's chat template if it has one that renders incrementally, else the plain format (with a notice
     saying why)."""
     if not getattr(tokenizer, "chat_template", None):
-        return PlainFormat(tokenizer, system, "the tokenizer has no chat template; using a plain "
-                                             "'User: ... / Assistant: ...' prompt format")
+        return PlainFormat(
+            tokenizer,
+            system,
+            "the tokenizer has no chat template; using a plain 'User: ... / Assistant: ...' prompt format",
+        )
     try:
         return TemplateFormat(tokenizer, system)
     except TemplateError as error:
-        return PlainFormat(tokenizer, system, f"the tokenizer's chat template cannot be used turn by turn ({error}); "
-                                              "using a plain 'User: ... / Assistant: ...' prompt format")
+        return PlainFormat(
+            tokenizer,
+            system,
+            f"the tokenizer's chat template cannot be used turn by turn ({error}); "
+            "using a plain 'User: ... / Assistant: ...' prompt format",
+        )

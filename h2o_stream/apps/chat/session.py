@@ -56,8 +56,9 @@ def _check_message(text) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:  # lone surrogates: bytes that were not UTF-8, decoded with surrogateescape
-        raise H2OStreamError(f"the message is not valid text (character {error.start} is not UTF-8: "
-                             f"{text[error.start]!r})") from None
+        raise H2OStreamError(
+            f"the message is not valid text (character {error.start} is not UTF-8: {text[error.start]!r})"
+        ) from None
 
 
 class ChatSession:
@@ -69,9 +70,18 @@ class ChatSession:
     `chunk_size`: user-message tokens per forward pass.
     """
 
-    def __init__(self, model, tokenizer, *, policy: EvictionPolicy | None = None, rolling: bool = True,
-                 system: str | None = None, sampling: Sampling | None = None, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                 model_name: str | None = None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        policy: EvictionPolicy | None = None,
+        rolling: bool = True,
+        system: str | None = None,
+        sampling: Sampling | None = None,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        model_name: str | None = None,
+    ):
         if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
             raise H2OStreamError(f"chunk size must be an integer >= 1, got {chunk_size!r}")
         if system is not None and not system.strip():
@@ -83,8 +93,7 @@ class ChatSession:
         self.sampling = sampling or chat_sampling()
         self.format: ChatFormat = chat_format(tokenizer, system)
         self.fingerprint = {**model_fingerprint(model), "name": self.model_name}
-        self.cache = new_cache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE),
-                               rolling)
+        self.cache = new_cache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE), rolling)
         self.generator = torch.Generator().manual_seed(self.sampling.seed)
         self._busy = False  # a turn is under way (its generator is suspended mid-reply)
         self._reset_counters()
@@ -107,8 +116,10 @@ class ChatSession:
         length = len(self.format.encode(self.system))
         if length <= budget:
             return None
-        return (f"the system prompt is {length} tokens, more than the cache holds ({budget} entries): the model "
-                "cannot see all of it; shorten it or use a larger cache (--cache-size)")
+        return (
+            f"the system prompt is {length} tokens, more than the cache holds ({budget} entries): the model "
+            "cannot see all of it; shorten it or use a larger cache (--cache-size)"
+        )
 
     @property
     def format_kind(self) -> str:
@@ -143,8 +154,10 @@ class ChatSession:
 
     def counters(self) -> dict:
         """The session's running totals (saved with it)."""
-        return {k: getattr(self, k) for k in ("turns", "prompt_tokens", "generated_tokens", "prompt_seconds",
-                                              "generate_seconds")}
+        return {
+            k: getattr(self, k)
+            for k in ("turns", "prompt_tokens", "generated_tokens", "prompt_seconds", "generate_seconds")
+        }
 
     def _set_counters(self, counters: dict) -> None:
         for key, value in counters.items():
@@ -152,8 +165,9 @@ class ChatSession:
 
     # -- turns --------------------------------------------------------------------------------------------------------
 
-    def send(self, text: str, *, should_stop: Callable[[], bool] | None = None,
-             stop: Sequence[str] = ()) -> Iterator[str]:
+    def send(
+        self, text: str, *, should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = ()
+    ) -> Iterator[str]:
         """Add a user message and generate the reply, yielding its text as it comes; returns a TurnResult (also kept
         as `last_turn`).
 
@@ -180,18 +194,29 @@ class ChatSession:
         checkpoint = self._checkpoint()
         try:
             start = time.perf_counter()
-            ids = self.format.user_ids(text, first=self.turns == 0) + self.format.encode(reply) + \
-                self.format.closing_ids()
+            ids = (
+                self.format.user_ids(text, first=self.turns == 0)
+                + self.format.encode(reply)
+                + self.format.closing_ids()
+            )
             feed(self.model, self.cache, torch.tensor([ids], dtype=torch.long), self.chunk_size)
             seconds = time.perf_counter() - start
         except BaseException:
             self._restore(checkpoint)
             raise
-        return self._record(text, TurnResult(text=reply, prompt_tokens=len(ids), generated_tokens=0,
-                                             stop_reason="replayed", prompt_seconds=seconds, generate_seconds=0.0))
+        return self._record(
+            text,
+            TurnResult(
+                text=reply,
+                prompt_tokens=len(ids),
+                generated_tokens=0,
+                stop_reason="replayed",
+                prompt_seconds=seconds,
+                generate_seconds=0.0,
+            ),
+        )
 
-    def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None,
-             stop: Sequence[str] = ()) -> TurnResult:
+    def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = ()) -> TurnResult:
         """`send` without streaming: the whole turn, then its TurnResult."""
         for _ in self.send(text, should_stop=should_stop, stop=stop):
             pass
@@ -211,8 +236,14 @@ class ChatSession:
 
     def _run_turn(self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]) -> Iterator[str]:
         checkpoint = self._checkpoint()
-        decoder = Decoder(self.model, self.tokenizer, self.sampling, stop_ids=self.stop_ids, generator=self.generator,
-                          stop_strings=self.format.stop_strings + stop)
+        decoder = Decoder(
+            self.model,
+            self.tokenizer,
+            self.sampling,
+            stop_ids=self.stop_ids,
+            generator=self.generator,
+            stop_strings=self.format.stop_strings + stop,
+        )
         prompt_tokens, prompt_seconds = 0, 0.0
         try:
             start = time.perf_counter()
@@ -233,26 +264,34 @@ class ChatSession:
         except BaseException:
             self._restore(checkpoint)
             raise
-        return self._close_turn(checkpoint, text, reply, _TURN_REASON[reply.stop_reason], prompt_tokens,
-                                prompt_seconds)
+        return self._close_turn(checkpoint, text, reply, _TURN_REASON[reply.stop_reason], prompt_tokens, prompt_seconds)
 
-    def _close_turn(self, checkpoint: dict, text: str, reply: Generation, reason: str, prompt_tokens: int,
-                    prompt_seconds: float) -> TurnResult:
+    def _close_turn(
+        self, checkpoint: dict, text: str, reply: Generation, reason: str, prompt_tokens: int, prompt_seconds: float
+    ) -> TurnResult:
         """Feed the reply's unfed last token and the end-of-message tokens, so the cache holds whole messages."""
         closing_ids = self.format.closing_ids()
         try:
             start = time.perf_counter()
-            closing = reply.token_ids[reply.fed:] + closing_ids
+            closing = reply.token_ids[reply.fed :] + closing_ids
             if closing:
                 feed(self.model, self.cache, torch.tensor([closing], dtype=torch.long), self.chunk_size)
             prompt_seconds += time.perf_counter() - start
         except BaseException:
             self._restore(checkpoint)
             raise
-        return self._record(text, TurnResult(text=reply.text, prompt_tokens=prompt_tokens + len(closing_ids),
-                                             generated_tokens=len(reply.token_ids), stop_reason=reason,
-                                             prompt_seconds=prompt_seconds, generate_seconds=reply.seconds,
-                                             token_ids=list(reply.token_ids)))
+        return self._record(
+            text,
+            TurnResult(
+                text=reply.text,
+                prompt_tokens=prompt_tokens + len(closing_ids),
+                generated_tokens=len(reply.token_ids),
+                stop_reason=reason,
+                prompt_seconds=prompt_seconds,
+                generate_seconds=reply.seconds,
+                token_ids=list(reply.token_ids),
+            ),
+        )
 
     def _record(self, text: str, result: TurnResult) -> TurnResult:
         """Count a finished turn and keep its messages as text."""
@@ -267,9 +306,13 @@ class ChatSession:
         return result
 
     def _checkpoint(self) -> dict:
-        return {"cache": self.cache.state(),  # state() copies the tensors
-                "rng": self.generator.get_state(),
-                "counters": self.counters(), "recent": list(self._recent), "last_turn": self.last_turn}
+        return {
+            "cache": self.cache.state(),  # state() copies the tensors
+            "rng": self.generator.get_state(),
+            "counters": self.counters(),
+            "recent": list(self._recent),
+            "last_turn": self.last_turn,
+        }
 
     def _restore(self, checkpoint: dict) -> None:
         self.cache.load_state(checkpoint["cache"])

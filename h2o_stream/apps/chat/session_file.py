@@ -33,8 +33,13 @@ SESSION_VERSION = 2  # 1: a torch pickle with an inner digest (before verified f
 _HEAD_BYTES = 4096  # enough of a file to tell a verified file, a format-1 session and anything else apart
 RECENT_MESSAGES = 6  # messages kept as text (for display after /load); the cache is what the model remembers
 _PROBE_TEXT = "Hello, world! 123 Ünïcode ✓"
-_COUNTERS = {"turns": int, "prompt_tokens": int, "generated_tokens": int, "prompt_seconds": float,
-             "generate_seconds": float}
+_COUNTERS = {
+    "turns": int,
+    "prompt_tokens": int,
+    "generated_tokens": int,
+    "prompt_seconds": float,
+    "generate_seconds": float,
+}
 _LAYER_KEYS = {"keys", "values", "positions", "scores", "seen", "evicted", "max_keys"}
 
 
@@ -133,14 +138,16 @@ def load(session, path: str | os.PathLike) -> Resumed:
         cache.load_state(to_device(state["cache"], session.model.device))
         generator = torch.Generator()
         generator.set_state(state["rng_state"])
-        recent = deque(({"role": str(m["role"]), "content": str(m["content"])} for m in state["recent"]),
-                       maxlen=RECENT_MESSAGES)
+        recent = deque(
+            ({"role": str(m["role"]), "content": str(m["content"])} for m in state["recent"]), maxlen=RECENT_MESSAGES
+        )
         last_turn = TurnResult(**state["last_turn"]) if state["last_turn"] else None
     except H2OStreamError:
         raise
     except Exception as error:
-        raise H2OStreamError(f"{path} is not a usable chat session (corrupt or from an incompatible "
-                             f"h2o-stream): {one_line(error)}") from error
+        raise H2OStreamError(
+            f"{path} is not a usable chat session (corrupt or from an incompatible h2o-stream): {one_line(error)}"
+        ) from error
     return Resumed(cache, fmt, sampling, chunk_size, generator, counters, recent, last_turn)
 
 
@@ -157,26 +164,36 @@ def read(path: Path) -> dict:
         raise H2OStreamError(f"cannot read {path}: {error.strerror or error}") from None
     if not head.startswith(MAGIC):
         if head.startswith(b"PK\x03\x04") and SESSION_FORMAT.encode() in head:  # a torch zip: its pickle comes first
-            raise H2OStreamError(f"{path} is a chat session saved by an older h2o-stream (session format 1, before "
-                                 f"verified files); this version reads format {SESSION_VERSION} and cannot resume it: "
-                                 "start a new session")
-        raise H2OStreamError(f"{path} is not a readable chat session: it is not an h2o-stream chat session file (the "
-                             "file is corrupt or truncated, or was not written by h2o-stream chat's /save)")
+            raise H2OStreamError(
+                f"{path} is a chat session saved by an older h2o-stream (session format 1, before "
+                f"verified files); this version reads format {SESSION_VERSION} and cannot resume it: "
+                "start a new session"
+            )
+        raise H2OStreamError(
+            f"{path} is not a readable chat session: it is not an h2o-stream chat session file (the "
+            "file is corrupt or truncated, or was not written by h2o-stream chat's /save)"
+        )
     try:
         return read_verified(path, SESSION_FORMAT, SESSION_VERSION)
     except UnverifiedFile as error:
         if error.found_kind is not None and error.found_kind != SESSION_FORMAT:
             raise H2OStreamError(f"{path} is not an h2o-stream chat session: it is a {error.found_kind}") from None
         if error.found_version is not None and error.found_version != SESSION_VERSION:
-            raise H2OStreamError(f"{path} is a chat session of format version {error.found_version}; this "
-                                 f"h2o-stream reads version {SESSION_VERSION}") from None
-        raise H2OStreamError(f"{path} is not a readable chat session: the file {error} (a damaged chat session is "
-                             "never used: load another file or start a new session)") from None
+            raise H2OStreamError(
+                f"{path} is a chat session of format version {error.found_version}; this "
+                f"h2o-stream reads version {SESSION_VERSION}"
+            ) from None
+        raise H2OStreamError(
+            f"{path} is not a readable chat session: the file {error} (a damaged chat session is "
+            "never used: load another file or start a new session)"
+        ) from None
 
 
 def _describe_model(fp: dict) -> str:
-    return (f"{fp.get('name') or '?'} ({fp.get('model_type')}, {fp.get('num_hidden_layers')} layers, hidden "
-            f"{fp.get('hidden_size')}, vocab {fp.get('vocab_size')}, {fp.get('dtype')})")
+    return (
+        f"{fp.get('name') or '?'} ({fp.get('model_type')}, {fp.get('num_hidden_layers')} layers, hidden "
+        f"{fp.get('hidden_size')}, vocab {fp.get('vocab_size')}, {fp.get('dtype')})"
+    )
 
 
 def check(state: dict, path: Path, model_fp: dict, tokenizer_fp: dict) -> dict:
@@ -187,20 +204,29 @@ def check(state: dict, path: Path, model_fp: dict, tokenizer_fp: dict) -> dict:
     if not isinstance(saved, dict):
         raise ValueError("no model fingerprint")
     if {k: v for k, v in saved.items() if k != "name"} != {k: v for k, v in model_fp.items() if k != "name"}:
-        same_architecture = all(saved.get(k) == model_fp.get(k) for k in model_fp
-                                if k not in ("name", "dtype", "weights"))
+        same_architecture = all(
+            saved.get(k) == model_fp.get(k) for k in model_fp if k not in ("name", "dtype", "weights")
+        )
         if same_architecture and saved.get("dtype") != model_fp["dtype"]:
-            raise H2OStreamError(f"{path} was saved with dtype {saved.get('dtype')}, this session runs "
-                                 f"{model_fp['dtype']}: start the chat with --dtype {saved.get('dtype')} to resume it")
-        raise H2OStreamError(f"{path} was saved with another model, {_describe_model(saved)}; this session runs "
-                             f"{_describe_model(model_fp)}. Start the chat with that model to resume it")
+            raise H2OStreamError(
+                f"{path} was saved with dtype {saved.get('dtype')}, this session runs "
+                f"{model_fp['dtype']}: start the chat with --dtype {saved.get('dtype')} to resume it"
+            )
+        raise H2OStreamError(
+            f"{path} was saved with another model, {_describe_model(saved)}; this session runs "
+            f"{_describe_model(model_fp)}. Start the chat with that model to resume it"
+        )
     if state["tokenizer"] != tokenizer_fp:
-        what = "chat format" if isinstance(state["tokenizer"], dict) and \
-            state["tokenizer"].get("format") != tokenizer_fp["format"] else "tokenizer"
+        what = (
+            "chat format"
+            if isinstance(state["tokenizer"], dict) and state["tokenizer"].get("format") != tokenizer_fp["format"]
+            else "tokenizer"
+        )
         raise H2OStreamError(f"{path} was saved with a different {what} for this model; it cannot be resumed here")
     counters = state["counters"]
-    if set(counters) != set(_COUNTERS) or not all(isinstance(counters[k], t) and not isinstance(counters[k], bool)
-                                                  for k, t in _COUNTERS.items()):
+    if set(counters) != set(_COUNTERS) or not all(
+        isinstance(counters[k], t) and not isinstance(counters[k], bool) for k, t in _COUNTERS.items()
+    ):
         raise ValueError("bad counters")
     if any(counters[k] < 0 for k in counters):
         raise ValueError("negative counters")
@@ -223,8 +249,9 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
     """Shapes, dtypes and bookkeeping of a saved cache, against the model it is to be used with."""
     layers = state["layers"]
     if not isinstance(layers, list) or len(layers) != len(cache.layers):
-        raise ValueError(f"the cache has {len(layers) if isinstance(layers, list) else '?'} layers, the model "
-                         f"{len(cache.layers)}")
+        raise ValueError(
+            f"the cache has {len(layers) if isinstance(layers, list) else '?'} layers, the model {len(cache.layers)}"
+        )
     config = model.config.get_text_config(decoder=True)
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dtype = model.get_input_embeddings().weight.dtype
@@ -247,12 +274,19 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
         if not all(isinstance(t, torch.Tensor) for t in (keys, values, positions, scores)):
             raise ValueError("a layer's entries are not tensors")
         n = keys.shape[2] if keys.dim() == 4 else -1
-        if keys.dim() != 4 or keys.shape[:2] != (1, kv_heads) or values.dim() != 4 \
-                or values.shape[:3] != keys.shape[:3]:
+        if (
+            keys.dim() != 4
+            or keys.shape[:2] != (1, kv_heads)
+            or values.dim() != 4
+            or values.shape[:3] != keys.shape[:3]
+        ):
             raise ValueError(f"cache tensors of shape {tuple(keys.shape)} do not fit this model")
-        if positions.shape != keys.shape[:3] or scores.shape != (*keys.shape[:3], *moments) \
-                or positions.dtype != torch.long \
-                or not scores.is_floating_point():
+        if (
+            positions.shape != keys.shape[:3]
+            or scores.shape != (*keys.shape[:3], *moments)
+            or positions.dtype != torch.long
+            or not scores.is_floating_point()
+        ):
             raise ValueError("cache bookkeeping does not match its entries")
         if keys.dtype != dtype or values.dtype != dtype:
             raise ValueError(f"cache tensors are {keys.dtype}, the model runs {dtype}")
@@ -265,5 +299,10 @@ def check_cache_state(state: dict, cache: StreamingCache, model) -> None:
 
 def to_device(state: dict, device) -> dict:
     """A cache state with its tensors on `device`."""
-    return {**state, "layers": [{k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
-                                for layer in state["layers"]]}
+    return {
+        **state,
+        "layers": [
+            {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in layer.items()}
+            for layer in state["layers"]
+        ],
+    }

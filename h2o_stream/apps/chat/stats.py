@@ -48,8 +48,12 @@ def session_stats(session) -> dict:
     """Counters of a ChatSession for people and benchmarks: tokens, cache occupancy, evictions, speed, memory."""
     cache = session.cache
     slots = max(layer.slots for layer in cache.layers)
-    cache_bytes = sum(t.numel() * t.element_size() for layer in cache.layers
-                      for t in (layer.keys, layer.values, layer.positions, layer.scores) if t is not None)
+    cache_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in cache.layers
+        for t in (layer.keys, layer.values, layer.positions, layer.scores)
+        if t is not None
+    )
     last = session.last_turn
     return {
         "turns": session.turns,
@@ -72,17 +76,19 @@ def format_stats(stats: dict) -> str:
     """`session_stats` as the lines /stats prints."""
     budget = stats["cache_budget"]
     occupancy = f"{stats['cache_slots']}/{budget if budget is not None else 'unbounded'}"
-    return "\n".join([
-        f"turns:           {stats['turns']}",
-        f"tokens seen:     {stats['tokens_seen']} (prompt {stats['prompt_tokens']}, "
-        f"generated {stats['generated_tokens']})",
-        f"cache occupancy: {occupancy} entries per layer and KV head, {stats['policy']}, "
-        f"{size_text(stats['cache_bytes'])}",
-        f"evictions:       {stats['evicted']} entries (all layers and KV heads)",
-        f"speed:           last reply {stats['last_tokens_per_second']:.1f} tok/s, its prompt "
-        f"{stats['last_prompt_tokens_per_second']:.0f} tok/s; session {stats['tokens_per_second']:.1f} tok/s",
-        f"memory:          RSS {size_text(stats['rss_bytes'])}",
-    ])
+    return "\n".join(
+        [
+            f"turns:           {stats['turns']}",
+            f"tokens seen:     {stats['tokens_seen']} (prompt {stats['prompt_tokens']}, "
+            f"generated {stats['generated_tokens']})",
+            f"cache occupancy: {occupancy} entries per layer and KV head, {stats['policy']}, "
+            f"{size_text(stats['cache_bytes'])}",
+            f"evictions:       {stats['evicted']} entries (all layers and KV heads)",
+            f"speed:           last reply {stats['last_tokens_per_second']:.1f} tok/s, its prompt "
+            f"{stats['last_prompt_tokens_per_second']:.0f} tok/s; session {stats['tokens_per_second']:.1f} tok/s",
+            f"memory:          RSS {size_text(stats['rss_bytes'])}",
+        ]
+    )
 
 
 def cache_settings(session) -> str:
@@ -94,9 +100,11 @@ def loaded_summary(session, path) -> str:
     """What a resumed session holds, said once after /load or --load."""
     stats = session.stats()
     sampling = session.sampling
-    text = (f"resumed the session from {path}: {stats['turns']} turn(s), {stats['tokens_seen']} tokens seen, "
-            f"{stats['policy']}, temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, "
-            f"repetition-penalty {sampling.repetition_penalty:g}, max-new-tokens {sampling.max_new_tokens}")
+    text = (
+        f"resumed the session from {path}: {stats['turns']} turn(s), {stats['tokens_seen']} tokens seen, "
+        f"{stats['policy']}, temperature {sampling.temperature:g}, top-p {sampling.top_p:g}, "
+        f"repetition-penalty {sampling.repetition_penalty:g}, max-new-tokens {sampling.max_new_tokens}"
+    )
     if session.system:
         text += f", system prompt {_clip(session.system)!r}"
     recent = session.recent_messages
@@ -107,7 +115,7 @@ def loaded_summary(session, path) -> str:
 
 def _clip(text: str, limit: int = 60) -> str:
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3] + "..."
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def size_text(n: int) -> str:

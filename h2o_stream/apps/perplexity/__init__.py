@@ -11,7 +11,10 @@ The names below are imported on first use (`h2o_stream.lazy`).
 
 from h2o_stream.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    ".run": ("PerplexityResult", "PerplexityRun", "stream_perplexity"),
-    ".stream": ("skip_tokens_of",),
-})
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".run": ("PerplexityResult", "PerplexityRun", "stream_perplexity"),
+        ".stream": ("skip_tokens_of",),
+    },
+)

@@ -57,6 +57,7 @@ def data_path(source: str | os.PathLike | None) -> str | None:
 def portable_command(command: str) -> str:
     """`command` with every absolute path in it (an argument, or an option's `=value`) made relative to the current
     directory, for result files that are read on other machines."""
+
     def relative(argument: str) -> str:
         option, equals, value = argument.rpartition("=") if argument.startswith("-") else ("", "", argument)
         return option + equals + (os.path.relpath(value) if os.path.isabs(value) else value)
@@ -94,22 +95,34 @@ def plan(name: str, run: PerplexityRun, out: Path, tokens: int, resume: bool) ->
         settings, fed = previous["settings"], previous["tokens_fed"]
         exhausted = previous.get("corpus_exhausted") is True
         if settings != run.settings:
-            raise H2OStreamError(f"{result_path} holds a result made with other settings "
-                                 f"({settings_difference(settings, run.settings)}); rerun with the same settings or "
-                                 "choose another --out")
+            raise H2OStreamError(
+                f"{result_path} holds a result made with other settings "
+                f"({settings_difference(settings, run.settings)}); rerun with the same settings or "
+                "choose another --out"
+            )
         if fed > have:
             have, where = fed, "a result of"
         found.done = fed >= tokens or exhausted
         found.result_tokens = fed
     if tokens < have:
-        raise H2OStreamError(f"{out} already holds {where} {have:,} tokens for {name}; --tokens {tokens:,} would "
-                             f"replace it with a shorter run. Pass --tokens {have} or more to keep or extend it, or "
-                             "choose another --out")
+        raise H2OStreamError(
+            f"{out} already holds {where} {have:,} tokens for {name}; --tokens {tokens:,} would "
+            f"replace it with a shorter run. Pass --tokens {have} or more to keep or extend it, or "
+            "choose another --out"
+        )
     return found
 
 
-def check_stream(pieces: Iterable[tuple[int, torch.Tensor]], plans: list[Plan], *, tokens: int,
-                 reset_per_book: bool, source: str, skip_tokens: int, count_to: int = 0) -> int:
+def check_stream(
+    pieces: Iterable[tuple[int, torch.Tensor]],
+    plans: list[Plan],
+    *,
+    tokens: int,
+    reset_per_book: bool,
+    source: str,
+    skip_tokens: int,
+    count_to: int = 0,
+) -> int:
     """Read the stream (pieces after --skip-tokens) as far as the furthest checkpoint, until a first prediction and
     for at least `count_to` tokens: every checkpoint must match the stream's digest at its position, and the first
     `tokens` tokens must hold at least one prediction. H2OStreamError otherwise, before any run has started.
@@ -129,7 +142,7 @@ def check_stream(pieces: Iterable[tuple[int, torch.Tensor]], plans: list[Plan], 
         offset = 0
         while wanted and wanted[0] <= fed + n:
             target = wanted.pop(0)
-            digest.update(index, ids[offset:target - fed])
+            digest.update(index, ids[offset : target - fed])
             offset = target - fed
             seen[target] = digest.hexdigest()
         if wanted:
@@ -140,8 +153,10 @@ def check_stream(pieces: Iterable[tuple[int, torch.Tensor]], plans: list[Plan], 
     if not predictions:
         after = f" after --skip-tokens {skip_tokens:,}" if skip_tokens else ""
         first = "each book's first token" if reset_per_book else "the first token"
-        raise H2OStreamError(f"nothing to predict: {source} has {fed:,} token(s){after} within --tokens {tokens:,}, "
-                             f"and {first} is never predicted; a perplexity needs at least two tokens in a row")
+        raise H2OStreamError(
+            f"nothing to predict: {source} has {fed:,} token(s){after} within --tokens {tokens:,}, "
+            f"and {first} is never predicted; a perplexity needs at least two tokens in a row"
+        )
     for found in plans:
         if found.position and seen.get(found.position) != found.stream_digest:
             short = f" (it now has only {fed:,} tokens)" if found.position not in seen else ""
@@ -149,5 +164,6 @@ def check_stream(pieces: Iterable[tuple[int, torch.Tensor]], plans: list[Plan], 
                 f"{source} is not the corpus {found.name}'s checkpoint was made from: the {found.position:,} tokens it "
                 f"fed differ from the corpus now{short}. Another corpus under the same name, a corpus edited since or "
                 "another tokenizer would mix two streams in one result; resume with the original corpus, or choose "
-                "another --out")
+                "another --out"
+            )
     return min(fed, tokens)

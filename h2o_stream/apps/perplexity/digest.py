@@ -25,7 +25,11 @@ class StreamDigest:
         self.tail = torch.empty((0, 2), dtype=torch.long)
         self.count = 0
         if state is not None:
-            self.chain, self.tail, self.count = bytes.fromhex(state["chain"]), state["tail"].long().cpu(), state["count"]
+            self.chain, self.tail, self.count = (
+                bytes.fromhex(state["chain"]),
+                state["tail"].long().cpu(),
+                state["count"],
+            )
 
     def update(self, book: int, ids: torch.Tensor) -> None:
         """Add the tokens `ids` (1-D) of book `book`."""

@@ -33,8 +33,16 @@ from .rows import RunRows
 from .run import PerplexityRun
 
 
-def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: list[Path], checkpoint_every: int,
-            stop: StopRequest | None = None, name: str | None = None, bars: Bars | None = None) -> None:
+def execute(
+    runs: list[PerplexityRun],
+    pieces,
+    tokens: int,
+    checkpoint_paths: list[Path],
+    checkpoint_every: int,
+    stop: StopRequest | None = None,
+    name: str | None = None,
+    bars: Bars | None = None,
+) -> None:
     """Feed `runs` (one, or several at the same stream position fed as the rows of one batch: `RunRows`) up to
     `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and at the end, so that
     a resumed or extended run equals an uninterrupted one. A requested `stop` checkpoints after the current forward
@@ -56,11 +64,15 @@ def execute(runs: list[PerplexityRun], pieces, tokens: int, checkpoint_paths: li
                 run.save(path)
             except OSError as error:
                 full = " (the disk is full)" if error.errno in (errno.ENOSPC, errno.EDQUOT) else ""
-                kept = (f"the last good checkpoint, at token {last_checkpoint:,}, is kept" if path.exists()
-                        else "there is no earlier checkpoint of this run")
-                raise H2OStreamError(f"could not write the checkpoint {path}: {error.strerror or error}{full}; no "
-                                     f"partial file is left and {kept}. Free some space and continue with --resume"
-                                     ) from None
+                kept = (
+                    f"the last good checkpoint, at token {last_checkpoint:,}, is kept"
+                    if path.exists()
+                    else "there is no earlier checkpoint of this run"
+                )
+                raise H2OStreamError(
+                    f"could not write the checkpoint {path}: {error.strerror or error}{full}; no "
+                    f"partial file is left and {kept}. Free some space and continue with --resume"
+                ) from None
         last_checkpoint = feeder.position
 
     def checkpoint(_) -> None:
@@ -111,5 +123,10 @@ def result_record(run: PerplexityRun, requested_tokens: int, command: str, corpu
 
 def versions() -> dict:
     """The versions a result was made with, and torch's thread count (it changes speed, not results)."""
-    return {"h2o_stream": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "threads": torch.get_num_threads()}
+    return {
+        "h2o_stream": __version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+    }

@@ -53,8 +53,11 @@ class Interrupted(Exception):
 
     def __init__(self, signum: int, run: str | None, position: int | None):
         self.signum, self.run, self.position = signum, run, position
-        where = (f"{run} checkpointed at token {position:,}" if run is not None and position is not None
-                 else "stopped between runs")
+        where = (
+            f"{run} checkpointed at token {position:,}"
+            if run is not None and position is not None
+            else "stopped between runs"
+        )
         super().__init__(f"interrupted by {signal.Signals(signum).name}: {where}")
 
     @property

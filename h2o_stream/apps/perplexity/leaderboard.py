@@ -67,52 +67,71 @@ def about(results: list[dict], today: datetime.date | None = None) -> dict:
     finished; each field lists its distinct values (one, when the runs agree). `commands`: each command and how many
     runs it made, most first. `drawn`: the date the board is drawn (`today`), shown when no run records when it
     finished."""
+
     def each(get, kind: type = str) -> list:
         # a field of a run file that is not of its kind (a damaged or hand-made file) is left out, never fatal
         found = (get(r) for r in results)
         return list(dict.fromkeys(v for v in found if isinstance(v, kind) and not isinstance(v, bool)))
+
     finished = sorted(each(lambda r: r.get("finished")))
     commands = collections.Counter(c for r in results if isinstance(c := r.get("command"), str))
-    return {"runs": len(results), "model": each(lambda r: r["settings"].get("model")),
-            "corpus": each(lambda r: r["settings"].get("data")),
-            "corpus_sha256": each(lambda r: r["settings"].get("data_sha256")),
-            "corpus_bytes": each(lambda r: r["settings"].get("data_bytes"), int),
-            "requested_tokens": each(lambda r: r.get("requested_tokens"), int),
-            "predicted_tokens": each(lambda r: r.get("predicted_tokens"), int),
-            "finished": [finished[0][:10], finished[-1][:10]] if finished else None,
-            "undated_runs": sum(not isinstance(r.get("finished"), str) for r in results),
-            "commands": dict(commands.most_common()),
-            "drawn": (today or datetime.date.today()).isoformat()}
+    return {
+        "runs": len(results),
+        "model": each(lambda r: r["settings"].get("model")),
+        "corpus": each(lambda r: r["settings"].get("data")),
+        "corpus_sha256": each(lambda r: r["settings"].get("data_sha256")),
+        "corpus_bytes": each(lambda r: r["settings"].get("data_bytes"), int),
+        "requested_tokens": each(lambda r: r.get("requested_tokens"), int),
+        "predicted_tokens": each(lambda r: r.get("predicted_tokens"), int),
+        "finished": [finished[0][:10], finished[-1][:10]] if finished else None,
+        "undated_runs": sum(not isinstance(r.get("finished"), str) for r in results),
+        "commands": dict(commands.most_common()),
+        "drawn": (today or datetime.date.today()).isoformat(),
+    }
 
 
 def heading(about: dict) -> list[str]:
     """The Markdown lines above the table: model, corpus with its sha256, tokens and date. Not the commands: they
     name the corpus by its path on the machine that ran them (leaderboard.json and the run files keep them)."""
+
     def listed(values, show=str) -> str:
         return "; ".join(show(v) for v in values) or "not recorded"
+
     corpus = listed(about["corpus"])
-    identity = [*(f"sha256 {digest[:12]}…" for digest in about["corpus_sha256"]),
-                *(f"{size:,} bytes" for size in about["corpus_bytes"])]
+    identity = [
+        *(f"sha256 {digest[:12]}…" for digest in about["corpus_sha256"]),
+        *(f"{size:,} bytes" for size in about["corpus_bytes"]),
+    ]
     finished = about["finished"]
     if finished:
         when = "finished " + (finished[0] if finished[0] == finished[1] else f"{finished[0]} to {finished[1]}")
         when += f" ({about['undated_runs']} run files record no date)" if about["undated_runs"] else ""
     else:
         when = f"drawn {about['drawn']} (the run files record no dates)"
-    return [f"## Leaderboard: {listed(about['model'])} on {corpus}", "",
-            f"- Model: {listed(about['model'])}",
-            f"- Corpus: {', '.join([corpus, *identity])}",
-            f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
-            f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
-            "book's with --reset-per-book, has nothing before it to be predicted from)",
-            f"- Runs: {about['runs']}, {when}", ""]
+    return [
+        f"## Leaderboard: {listed(about['model'])} on {corpus}",
+        "",
+        f"- Model: {listed(about['model'])}",
+        f"- Corpus: {', '.join([corpus, *identity])}",
+        f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
+        f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
+        "book's with --reset-per-book, has nothing before it to be predicted from)",
+        f"- Runs: {about['runs']}, {when}",
+        "",
+    ]
 
 
 def _row(result: dict, baselines: dict[str, dict]) -> dict:
-    row = {"policy": run_label(result), "ppl": result["ppl"], "tokens": result["predicted_tokens"],
-           "max_keys_seen": result.get("max_keys_seen"), "tokens_per_second": result["tokens_per_second"],
-           "chunk_size": result["settings"]["chunk_size"], "wide_chunks": result["settings"].get("wide_chunks", True),
-           "span": result.get("span")}
+    row = {
+        "policy": run_label(result),
+        "ppl": result["ppl"],
+        "tokens": result["predicted_tokens"],
+        "max_keys_seen": result.get("max_keys_seen"),
+        "tokens_per_second": result["tokens_per_second"],
+        "chunk_size": result["settings"]["chunk_size"],
+        "wide_chunks": result["settings"].get("wide_chunks", True),
+        "span": result.get("span"),
+    }
     for name in BASELINES:
         base = baselines.get(name)
         same = base is not None and base["stream_sha256"] == result["stream_sha256"]
@@ -132,8 +151,9 @@ def window_nlls(curve: list[tuple[int, float]], ends: list[int]) -> list[float]:
     return sums
 
 
-def ratio_interval(result: dict, base: dict, window: int = INTERVAL_WINDOW, draws: int = 2000,
-                   seed: int = 0) -> list[float] | None:
+def ratio_interval(
+    result: dict, base: dict, window: int = INTERVAL_WINDOW, draws: int = 2000, seed: int = 0
+) -> list[float] | None:
     """A 95% bootstrap interval of `result`'s PPL over `base`'s (runs over the same tokens): windows of about
     `window` predicted tokens (ending at curve points both runs share) are drawn with replacement, both runs' NLL
     over the same draw, so that a reader can tell a 3% gap from noise. None with fewer than 5 windows. Seeded: the
@@ -162,16 +182,20 @@ def markdown(board: dict) -> str:
     """The leaderboard as Markdown: a heading saying what was run (`heading`), then a table with one block of rows
     per cache size, best first, and the reference (full cache) last."""
     lines = heading(board["about"]) if "about" in board else []
-    lines += ["| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | predicted tokens |",
-              "|---:|---|---:|---:|---:|---:|---:|---:|---:|"]
+    lines += [
+        "| cache | policy | PPL | vs sink | vs h2o | max keys seen | chunk | tok/s | predicted tokens |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     blocks = [(str(size), entry["rows"]) for size, entry in board["sizes"].items()]
     for size, rows in [*blocks, ("all", board.get("reference", []))]:
         for row in rows:
             ratios = [ratio_text(row, name) for name in BASELINES]
-            lines.append(f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
-                         f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
-                         f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''}{_span(row)} | "
-                         f"{row['tokens_per_second']:.0f} | {row['tokens']:,} |")
+            lines.append(
+                f"| {size} | {row['policy']} | {row['ppl']:.3f} | {ratios[0]} | {ratios[1]} | "
+                f"{row['max_keys_seen'] if row['max_keys_seen'] is not None else '—'} | "
+                f"{row['chunk_size']}{' wide' if row['wide_chunks'] else ''}{_span(row)} | "
+                f"{row['tokens_per_second']:.0f} | {row['tokens']:,} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -196,9 +220,12 @@ def windowed(curve: list[tuple[int, float]], windows: int = 25) -> list[tuple[in
     if len(curve) < 2:
         return []
     stride = max(1, round((len(curve) - 1) / windows))
-    points = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve[stride - 1::stride]]
-    return [(end, math.exp((total - before) / (end - start)))
-            for (start, before), (end, total) in itertools.pairwise(points) if end > start]
+    points = [(0, 0.0)] + [(n, n * math.log(ppl)) for n, ppl in curve[stride - 1 :: stride]]
+    return [
+        (end, math.exp((total - before) / (end - start)))
+        for (start, before), (end, total) in itertools.pairwise(points)
+        if end > start
+    ]
 
 
 def write_leaderboard(runs_dir: str | os.PathLike, out: str | os.PathLike) -> dict:
@@ -265,8 +292,9 @@ def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     """PPL of consecutive windows of the stream (each window's own, not the running PPL), one panel per cache size;
     each panel says how long its windows are."""
     sizes = sorted({cache_size(r) for r in results if cache_size(r) is not None})
-    fig, axes = pyplot().subplots(1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False,
-                                  layout="constrained")
+    fig, axes = pyplot().subplots(
+        1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False, layout="constrained"
+    )
     styles = _styles(results)
     for ax, size in zip(axes[0], sizes, strict=False):  # one empty panel when there is no size
         ends = set()

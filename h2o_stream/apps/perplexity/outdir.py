@@ -49,8 +49,9 @@ def make_writable_dir(out: Path) -> None:
             os.close(fd)
             os.unlink(probe)
     except OSError as error:
-        raise H2OStreamError(f"cannot write into --out {out} ({error.strerror or error}); choose a writable "
-                             "directory") from None
+        raise H2OStreamError(
+            f"cannot write into --out {out} ({error.strerror or error}); choose a writable directory"
+        ) from None
 
 
 @contextlib.contextmanager
@@ -65,8 +66,10 @@ def _locked(out: Path) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
-            raise H2OStreamError(f"{out} is in use by another h2o-stream ppl run (pid {holder}); wait for it to "
-                                 "finish, or choose another --out") from None
+            raise H2OStreamError(
+                f"{out} is in use by another h2o-stream ppl run (pid {holder}); wait for it to "
+                "finish, or choose another --out"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         yield

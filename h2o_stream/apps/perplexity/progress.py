@@ -30,9 +30,18 @@ class Bars:
         done = min(position, total)
         bar = self.bars.get(name)
         if bar is None:
-            bar = self.bars[name] = tqdm(total=total, initial=done, desc=name, unit="tok", unit_scale=True,
-                                         dynamic_ncols=True, disable=None, leave=self.leave, postfix=postfix,
-                                         file=self.file or sys.stderr)
+            bar = self.bars[name] = tqdm(
+                total=total,
+                initial=done,
+                desc=name,
+                unit="tok",
+                unit_scale=True,
+                dynamic_ncols=True,
+                disable=None,
+                leave=self.leave,
+                postfix=postfix,
+                file=self.file or sys.stderr,
+            )
         elif postfix:
             bar.set_postfix_str(postfix, refresh=False)
         bar.update(done - bar.n)

@@ -37,14 +37,17 @@ def check_address(address: str) -> None:
     scheme, _, rest = address.rpartition("://")
     host, colon, port = rest.rpartition(":")
     if scheme not in ("", "ray") or not colon or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise H2OStreamError(f"--ray {address!r} is not a Ray address: use auto, local, ray://HOST:PORT (a Ray "
-                             "client server) or HOST:PORT (a cluster's head node)")
+        raise H2OStreamError(
+            f"--ray {address!r} is not a Ray address: use auto, local, ray://HOST:PORT (a Ray "
+            "client server) or HOST:PORT (a cluster's head node)"
+        )
     try:
         socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_TIMEOUT).close()
     except OSError as error:
         reason = "no answer" if isinstance(error, TimeoutError) else (error.strerror or str(error))
-        raise H2OStreamError(f"cannot reach a Ray cluster at {address!r} ({reason} within {CONNECT_TIMEOUT:g} s)"
-                             ) from None
+        raise H2OStreamError(
+            f"cannot reach a Ray cluster at {address!r} ({reason} within {CONNECT_TIMEOUT:g} s)"
+        ) from None
 
 
 def run_on_ray(sweep, loading: dict, address: str, note=lambda text: None) -> list[dict]:

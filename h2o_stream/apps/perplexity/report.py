@@ -70,8 +70,9 @@ def stream_difference(settings: dict, other: dict) -> str | None:
     return settings_difference(mine, theirs) if mine != theirs else None
 
 
-def check_comparable(results: list[dict], directory: str | os.PathLike, settings: dict | None = None,
-                     against: str = "") -> None:
+def check_comparable(
+    results: list[dict], directory: str | os.PathLike, settings: dict | None = None, against: str = ""
+) -> None:
     """Refuse results in `directory` that were not run on one stream through one model (`stream_difference`): with
     `settings`, against those (the runs about to be made, named `against`); else against the first result. A report
     over them would rank perplexities of different texts or models side by side."""
@@ -82,9 +83,11 @@ def check_comparable(results: list[dict], directory: str | os.PathLike, settings
     for result in results:
         why = stream_difference(result["settings"], settings)
         if why:
-            raise H2OStreamError(f"{Path(directory) / run_name(result)}.json and {against} were not run on the same "
-                                 f"stream through the same model ({why}); a report ranks only runs that were: move "
-                                 "the other runs away or choose another --out")
+            raise H2OStreamError(
+                f"{Path(directory) / run_name(result)}.json and {against} were not run on the same "
+                f"stream through the same model ({why}); a report ranks only runs that were: move "
+                "the other runs away or choose another --out"
+            )
 
 
 def title_of(results: list[dict]) -> str:
@@ -102,8 +105,12 @@ def plot_curves(results: list[dict], path: str | os.PathLike, title: str) -> Non
         if not curve:
             continue
         policy = result["settings"]["policy"]
-        ax.plot([c[0] for c in curve], [c[1] for c in curve], LINE_STYLES[policies.index(policy) % len(LINE_STYLES)],
-                label=f"{run_label(result)} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})")
+        ax.plot(
+            [c[0] for c in curve],
+            [c[1] for c in curve],
+            LINE_STYLES[policies.index(policy) % len(LINE_STYLES)],
+            label=f"{run_label(result)} {cache_size(result) or 'full'} (ppl {result['ppl']:.2f})",
+        )
     ax.set_xlabel("tokens")
     ax.set_ylabel("running perplexity")
     title_figure(fig, title)
@@ -126,8 +133,7 @@ def title_figure(fig, title: str, fontsize: float = 9) -> None:
     """`title` (the model and corpus: the user's words) above the whole figure, wrapped to its width and taken as
     plain text: a '$' in a path is a dollar sign, not the start of a formula (mathtext would fail on it)."""
     chars = max(20, int(fig.get_figwidth() * 72 / (0.65 * fontsize)))  # a character is ~0.5 em wide, plus margin
-    fig.suptitle("\n".join(textwrap.wrap(title, width=chars)) or " ", fontsize=fontsize, parse_math=False,
-                 usetex=False)
+    fig.suptitle("\n".join(textwrap.wrap(title, width=chars)) or " ", fontsize=fontsize, parse_math=False, usetex=False)
 
 
 def save_figure(fig, path: str | os.PathLike) -> None:
@@ -143,8 +149,17 @@ def summary_table(results: list[dict]) -> str:
     rows = [("policy", "split", "cache", "tokens", "ppl", "tok/s", "peak RSS")]
     for r in results:
         split = " ".join(f"{k}={v}" for k, v in budget_split(r).items())
-        rows.append((r["settings"]["policy"], split or "-", str(cache_size(r) or "-"), f"{r['tokens_fed']:,}",
-                     f"{r['ppl']:.3f}", f"{r['tokens_per_second']:.0f}", f"{r['peak_rss_bytes'] / 2**20:.0f} MiB"))
+        rows.append(
+            (
+                r["settings"]["policy"],
+                split or "-",
+                str(cache_size(r) or "-"),
+                f"{r['tokens_fed']:,}",
+                f"{r['ppl']:.3f}",
+                f"{r['tokens_per_second']:.0f}",
+                f"{r['peak_rss_bytes'] / 2**20:.0f} MiB",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))

@@ -29,8 +29,10 @@ class RunRows:
         first = runs[0]
         differ = [name for name in SHARED if any(getattr(run, name) != getattr(first, name) for run in runs)]
         if differ or any(run.model is not first.model for run in runs):
-            raise H2OStreamError(f"runs fed as rows of one batch must share the model, {', '.join(SHARED)}; these "
-                                 f"differ in {', '.join(differ) or 'the model'}")
+            raise H2OStreamError(
+                f"runs fed as rows of one batch must share the model, {', '.join(SHARED)}; these "
+                f"differ in {', '.join(differ) or 'the model'}"
+            )
         self.runs = runs
         self.model = first.model
         self.cache = RowsCache(first.model, [run.cache for run in runs])

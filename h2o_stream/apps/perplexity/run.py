@@ -59,27 +59,50 @@ class PerplexityResult:
         return self.tokens_fed / self.seconds if self.seconds else float("nan")
 
     def to_json(self) -> dict:
-        return {"settings": self.settings, "tokens_fed": self.tokens_fed, "predicted_tokens": self.predicted,
-                "nll_sum": self.nll_sum, "mean_nll": self.mean_nll, "ppl": self.ppl, "seconds": self.seconds,
-                "tokens_per_second": self.tokens_per_second, "peak_rss_bytes": self.peak_rss_bytes,
-                "rss_samples": self.rss_samples, "process_starts": self.process_starts,
-                "max_keys_seen": self.max_keys_seen, "span": self.span, "kv_entries": self.kv_entries,
-                "curve": self.curve}
+        return {
+            "settings": self.settings,
+            "tokens_fed": self.tokens_fed,
+            "predicted_tokens": self.predicted,
+            "nll_sum": self.nll_sum,
+            "mean_nll": self.mean_nll,
+            "ppl": self.ppl,
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+            "peak_rss_bytes": self.peak_rss_bytes,
+            "rss_samples": self.rss_samples,
+            "process_starts": self.process_starts,
+            "max_keys_seen": self.max_keys_seen,
+            "span": self.span,
+            "kv_entries": self.kv_entries,
+            "curve": self.curve,
+        }
 
 
 class PerplexityRun:
     """Feeds a token stream through a StreamingCache in chunks and accumulates the NLL of every prediction."""
 
-    def __init__(self, model, policy: EvictionPolicy, *, chunk_size: int | None = None, rolling: bool = True,
-                 curve_every: int = 1000, reset_per_book: bool = False, settings: dict | None = None,
-                 record_tokens: bool = False, wide_chunks: bool = False, span: int | None = None,
-                 sliding: str = "window"):
+    def __init__(
+        self,
+        model,
+        policy: EvictionPolicy,
+        *,
+        chunk_size: int | None = None,
+        rolling: bool = True,
+        curve_every: int = 1000,
+        reset_per_book: bool = False,
+        settings: dict | None = None,
+        record_tokens: bool = False,
+        wide_chunks: bool = False,
+        span: int | None = None,
+        sliding: str = "window",
+    ):
         chunk_size, span = forward_span(policy, chunk_size, span)
         if chunk_size < 1:
             raise H2OStreamError(f"chunk size must be >= 1, got {chunk_size}")
         if span < 1 or span % chunk_size:
-            raise H2OStreamError(f"the span (tokens per forward) must be a multiple of the chunk size {chunk_size}, "
-                                 f"got {span}")
+            raise H2OStreamError(
+                f"the span (tokens per forward) must be a multiple of the chunk size {chunk_size}, got {span}"
+            )
         self.model = model
         self.policy = policy
         self.chunk_size = chunk_size
@@ -89,16 +112,30 @@ class PerplexityRun:
         self.reset_per_book = reset_per_book
         # A span of several chunks is one forward that still decides every chunk (a scan, see engine/cache.py): the
         # same results as one forward per chunk, with the model's matrix products over the whole span.
-        self.cache = StreamingCache(model, policy, rolling=rolling, wide_chunks=wide_chunks,
-                                    decide_every=chunk_size if span > chunk_size else None, sliding=sliding)
+        self.cache = StreamingCache(
+            model,
+            policy,
+            rolling=rolling,
+            wide_chunks=wide_chunks,
+            decide_every=chunk_size if span > chunk_size else None,
+            sliding=sliding,
+        )
         self.cache.check_chunk_size(chunk_size)  # up front: the engine would refuse the second chunk otherwise
         context = self.cache.context
         width = span if self.cache.decide_every is None else chunk_size  # the most tokens one decision takes in
         if rolling and context and policy.budget is not None and policy.budget + width > context:
-            raise H2OStreamError(f"cache size {policy.budget} + chunk size {width} exceeds the model's context "
-                                 f"of {context} positions; use a smaller chunk or cache")
-        self.settings = {**(settings or {}), **policy.settings(), "chunk_size": chunk_size, "rolling": rolling,
-                         "reset_per_book": reset_per_book, "wide_chunks": wide_chunks}
+            raise H2OStreamError(
+                f"cache size {policy.budget} + chunk size {width} exceeds the model's context "
+                f"of {context} positions; use a smaller chunk or cache"
+            )
+        self.settings = {
+            **(settings or {}),
+            **policy.settings(),
+            "chunk_size": chunk_size,
+            "rolling": rolling,
+            "reset_per_book": reset_per_book,
+            "wide_chunks": wide_chunks,
+        }
         if sliding != "window":  # recorded when not the default, so results made before the choice existed still match
             self.settings["sliding_layers"] = sliding
         self.position = 0  # stream tokens fed so far
@@ -166,11 +203,19 @@ class PerplexityRun:
             self.book_start = self.position
         self.book = index
 
-    def run(self, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
-            on_progress=None, checkpoint=None, before_cut_short=None) -> None:
+    def run(
+        self,
+        pieces: Iterable[tuple[int, torch.Tensor]],
+        *,
+        limit: int | None = None,
+        on_progress=None,
+        checkpoint=None,
+        before_cut_short=None,
+    ) -> None:
         """Consume (book index, token ids) pieces of the stream from the current position on (`feed_stream`)."""
-        feed_stream(self, pieces, limit=limit, on_progress=on_progress, checkpoint=checkpoint,
-                    before_cut_short=before_cut_short)
+        feed_stream(
+            self, pieces, limit=limit, on_progress=on_progress, checkpoint=checkpoint, before_cut_short=before_cut_short
+        )
 
     @property
     def running_ppl(self) -> float:
@@ -182,20 +227,40 @@ class PerplexityRun:
         samples = list(self.rss_samples)
         if self.position and (not samples or samples[-1][0] != self.position):  # the end, however it falls
             samples.append((self.position, psutil.Process().memory_info().rss))
-        return PerplexityResult(settings=self.settings, tokens_fed=self.position, predicted=self.predicted,
-                                nll_sum=self.nll_sum.item(), curve=list(self.curve), seconds=self.seconds,
-                                peak_rss_bytes=max([self.peak_rss, *(b for _, b in samples)]), rss_samples=samples,
-                                process_starts=list(self.process_starts), max_keys_seen=self.cache.max_keys_seen,
-                                span=self.span, kv_entries=self.cache.entries)
+        return PerplexityResult(
+            settings=self.settings,
+            tokens_fed=self.position,
+            predicted=self.predicted,
+            nll_sum=self.nll_sum.item(),
+            curve=list(self.curve),
+            seconds=self.seconds,
+            peak_rss_bytes=max([self.peak_rss, *(b for _, b in samples)]),
+            rss_samples=samples,
+            process_starts=list(self.process_starts),
+            max_keys_seen=self.cache.max_keys_seen,
+            span=self.span,
+            kv_entries=self.cache.entries,
+        )
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     def state(self) -> dict:
         """Everything a resumed run needs, as plain data (tensors, numbers, text, lists, dicts)."""
-        return {"settings": self.settings, "position": self.position, "book": self.book,
-                "book_start": self.book_start, "predicted": self.predicted, "nll_sum": self.nll_sum,
-                "pending": self.pending, "curve": self.curve, "rss_samples": self.rss_samples,
-                "process_starts": self.process_starts, "peak_rss": self.peak_rss, "seconds": self.seconds,
-                "stream": self.digest.state(), "cache": self.cache.state()}
+        return {
+            "settings": self.settings,
+            "position": self.position,
+            "book": self.book,
+            "book_start": self.book_start,
+            "predicted": self.predicted,
+            "nll_sum": self.nll_sum,
+            "pending": self.pending,
+            "curve": self.curve,
+            "rss_samples": self.rss_samples,
+            "process_starts": self.process_starts,
+            "peak_rss": self.peak_rss,
+            "seconds": self.seconds,
+            "stream": self.digest.state(),
+            "cache": self.cache.state(),
+        }
 
     def save(self, path: str | os.PathLike) -> None:
         """Atomic and verified: a killed or failed write (OSError, e.g. a full disk) leaves the previous checkpoint
@@ -208,17 +273,22 @@ class PerplexityRun:
         try:
             state = read_verified(path, CHECKPOINT_KIND, CHECKPOINT_VERSION, map_location=self.model.device)
         except UnverifiedFile as error:
-            raise H2OStreamError(f"cannot resume from {path}: the file {error}. A corrupt, foreign or altered "
-                                 "checkpoint is never used: delete it to start that run afresh, or choose another "
-                                 "--out") from None
+            raise H2OStreamError(
+                f"cannot resume from {path}: the file {error}. A corrupt, foreign or altered "
+                "checkpoint is never used: delete it to start that run afresh, or choose another "
+                "--out"
+            ) from None
         settings = state.get("settings") if isinstance(state, dict) else None
         if not isinstance(settings, dict):
-            raise H2OStreamError(f"cannot resume from {path}: it holds no run settings; delete it or choose another "
-                                 "--out")
+            raise H2OStreamError(
+                f"cannot resume from {path}: it holds no run settings; delete it or choose another --out"
+            )
         if settings != self.settings:
-            raise H2OStreamError(f"checkpoint {path} was made with other settings "
-                                 f"({settings_difference(settings, self.settings)}); rerun with the same settings or "
-                                 "choose another --out")
+            raise H2OStreamError(
+                f"checkpoint {path} was made with other settings "
+                f"({settings_difference(settings, self.settings)}); rerun with the same settings or "
+                "choose another --out"
+            )
         return state
 
     def load(self, path: str | os.PathLike) -> None:
@@ -248,8 +318,9 @@ class PerplexityRun:
         except H2OStreamError:
             raise
         except Exception as error:  # noqa: BLE001 - any misfit is the same user problem
-            raise H2OStreamError(f"checkpoint {path} does not fit this run ({one_line(error)}); delete it or choose "
-                                 "another --out") from None
+            raise H2OStreamError(
+                f"checkpoint {path} does not fit this run ({one_line(error)}); delete it or choose another --out"
+            ) from None
         self.position, self.book, self.book_start, self.predicted = counters
         self.nll_sum, self.pending, self.digest = state["nll_sum"], state["pending"], digest
         self.curve, self.rss_samples, self.peak_rss, self.seconds = curve, rss_samples, peak_rss, seconds
@@ -258,20 +329,34 @@ class PerplexityRun:
 
 
 def settings_difference(saved: dict, current: dict) -> str:
-    """"key: saved → current" for every setting that differs, e.g. "dtype: 'float32' → 'bfloat16'"."""
+    """ "key: saved → current" for every setting that differs, e.g. "dtype: 'float32' → 'bfloat16'"."""
     differ = sorted(k for k in saved.keys() | current.keys() if saved.get(k) != current.get(k))
     listed = ", ".join(f"{k}: {saved.get(k)!r} → {current.get(k)!r}" for k in differ)
     if "data_sha256" in differ:  # the one difference a user may not see at a glance: say what it means
-        return ("the corpus is another text: another corpus under the same name or one edited since would mix two "
-                f"streams in one result; {listed}")
+        return (
+            "the corpus is another text: another corpus under the same name or one edited since would mix two "
+            f"streams in one result; {listed}"
+        )
     return listed
 
 
-def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | EvictionPolicy = "h2o",
-                      cache_size: int | None = 256, chunk_size: int | None = None, rolling: bool = True,
-                      reset_per_book: bool = False, max_tokens: int | None = None, curve_every: int = 1000,
-                      wide_chunks: bool = False, span: int | None = None, sliding: str = "window",
-                      **parts: int | None) -> PerplexityResult:
+def stream_perplexity(
+    model,
+    tokenizer,
+    tokens_or_texts,
+    *,
+    policy: str | EvictionPolicy = "h2o",
+    cache_size: int | None = 256,
+    chunk_size: int | None = None,
+    rolling: bool = True,
+    reset_per_book: bool = False,
+    max_tokens: int | None = None,
+    curve_every: int = 1000,
+    wide_chunks: bool = False,
+    span: int | None = None,
+    sliding: str = "window",
+    **parts: int | None,
+) -> PerplexityResult:
     """Perplexity of a token stream (ids, a text, or texts/Books concatenated in order) under a fixed-size cache.
 
     `parts` are the policy's budget parts by name (e.g. heavy=64), as `make_policy` takes them. `chunk_size` None is
@@ -281,7 +366,16 @@ def stream_perplexity(model, tokenizer, tokens_or_texts, *, policy: str | Evicti
     (engine/layer_types.py)."""
     if not isinstance(policy, EvictionPolicy):
         policy = make_policy(policy, cache_size, **parts)
-    run = PerplexityRun(model, policy, chunk_size=chunk_size, rolling=rolling, curve_every=curve_every,
-                        reset_per_book=reset_per_book, wide_chunks=wide_chunks, span=span, sliding=sliding)
+    run = PerplexityRun(
+        model,
+        policy,
+        chunk_size=chunk_size,
+        rolling=rolling,
+        curve_every=curve_every,
+        reset_per_book=reset_per_book,
+        wide_chunks=wide_chunks,
+        span=span,
+        sliding=sliding,
+    )
     run.run(token_pieces(tokens_or_texts, tokenizer), limit=max_tokens)
     return run.result()

@@ -66,8 +66,7 @@ class Settings(BaseModel):
         for part in policy_class(self.policy).part_names():
             value = getattr(self, part, None)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(f"{self.policy}'s budget part {part!r} must be a whole number of slots, got "
-                                 f"{value!r}")
+                raise ValueError(f"{self.policy}'s budget part {part!r} must be a whole number of slots, got {value!r}")
         return self
 
 
@@ -121,22 +120,28 @@ def read_result(path: str | os.PathLike) -> dict:
         text = path.read_text(encoding="utf-8")
         data = json.loads(text, parse_constant=_no_constant)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as error:
-        raise H2OStreamError(f"{path} is not a readable result of h2o-stream ppl ({_short(str(error))}); move it away "
-                             "or choose another --out") from None
+        raise H2OStreamError(
+            f"{path} is not a readable result of h2o-stream ppl ({_short(str(error))}); move it away "
+            "or choose another --out"
+        ) from None
     if _depth(data) > MAX_DEPTH:
         raise H2OStreamError(f"{path} is not a result of h2o-stream ppl (its JSON nests deeper than {MAX_DEPTH})")
     if not isinstance(data, dict):
-        raise H2OStreamError(f"{path} is not a result of h2o-stream ppl (a JSON {type(data).__name__}, not an "
-                             "object); move it away or choose another --out")
+        raise H2OStreamError(
+            f"{path} is not a result of h2o-stream ppl (a JSON {type(data).__name__}, not an "
+            "object); move it away or choose another --out"
+        )
     try:
         Result.model_validate(data)
     except ValidationError as error:
         first = error.errors()[0]
         field = ".".join(str(part) for part in first["loc"]) or "(the file)"
         got = "" if first["type"] == "missing" else f" (got {_short(repr(first.get('input')))})"  # repr: one line
-        raise H2OStreamError(f"{path}: field {field!r}: {first['msg']}{got}; "
-                             "a damaged or hand-edited result is never read: restore it, or move it away and "
-                             "run again") from None
+        raise H2OStreamError(
+            f"{path}: field {field!r}: {first['msg']}{got}; "
+            "a damaged or hand-edited result is never read: restore it, or move it away and "
+            "run again"
+        ) from None
     return data
 
 
@@ -161,4 +166,4 @@ def _depth(data, limit: int = MAX_DEPTH + 1) -> int:
 
 def _short(value, width: int = 80) -> str:
     text = value if isinstance(value, str) else repr(value)
-    return text if len(text) <= width else text[:width - 3] + "..."
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -18,8 +18,15 @@ from h2o_stream.engine.policies import EvictionPolicy
 from h2o_stream.errors import H2OStreamError
 
 
-def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int | None = None,
-                on_progress=None, checkpoint=None, before_cut_short=None) -> None:
+def feed_stream(
+    run,
+    pieces: Iterable[tuple[int, torch.Tensor]],
+    *,
+    limit: int | None = None,
+    on_progress=None,
+    checkpoint=None,
+    before_cut_short=None,
+) -> None:
     """Feed (book index, token ids) pieces of the stream to `run` (a PerplexityRun, or runs fed as the rows of one
     batch: anything with `position`, `span`, `book_start`, `start_book(index)` and `feed_chunk(ids)`) from its
     position on.
@@ -43,7 +50,7 @@ def feed_stream(run, pieces: Iterable[tuple[int, torch.Tensor]], *, limit: int |
                 if before_cut_short is not None:
                     before_cut_short(run)
                 room = limit - run.position
-            piece = ids[offset:offset + room]
+            piece = ids[offset : offset + room]
             run.feed_chunk(piece)
             offset += piece.numel()
             if on_progress is not None:
@@ -89,9 +96,12 @@ def token_nll(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     rereads 50 MB (3x faster on SmolLM2's vocabulary at 1 and 2 threads, the same values bit for bit)."""
     if targets.numel() <= NLL_ROWS:  # one block; also a chunk's first token alone, which predicts nothing (empty)
         return torch.nn.functional.cross_entropy(logits, targets, reduction="none")
-    return torch.cat([torch.nn.functional.cross_entropy(logits[i:i + NLL_ROWS], targets[i:i + NLL_ROWS],
-                                                        reduction="none")
-                      for i in range(0, targets.numel(), NLL_ROWS)])
+    return torch.cat(
+        [
+            torch.nn.functional.cross_entropy(logits[i : i + NLL_ROWS], targets[i : i + NLL_ROWS], reduction="none")
+            for i in range(0, targets.numel(), NLL_ROWS)
+        ]
+    )
 
 
 def forward_span(policy: EvictionPolicy, chunk_size: int | None, span: int | None) -> tuple[int, int]:

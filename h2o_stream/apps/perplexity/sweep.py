@@ -35,8 +35,12 @@ from .stream import forward_span, skip_tokens_of
 REPORTS = ("ppl.png", "summary.json")
 
 
-def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None,
-              ) -> list[tuple[str, EvictionPolicy]]:
+def run_specs(
+    policies: list[str],
+    sizes: list[int],
+    parts: dict,
+    tokenizer=None,
+) -> list[tuple[str, EvictionPolicy]]:
     """(run name, policy) for every policy × cache size, e.g. ('h2o-256', ...); a policy without budget parts (full)
     runs once, named by itself. A part given as a list of several slot counts is swept: one run per value and
     size, named by it too (e.g. 'h2o-256-heavy=16'), which the reports show as 'h2o heavy=16'. Each policy gets
@@ -50,18 +54,22 @@ def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None
     takes = {name: (*policy_class(name).part_names(), *policy_class(name).option_names()) for name in policies}
     for part, value in parts.items():
         if value is not None and not any(part in names for names in takes.values()):
-            taken = "; ".join(f"{name} takes {', '.join(_flag(p) for p in names) or 'no parts'}"
-                              for name, names in takes.items())
-            raise H2OStreamError(f"{_flag(part)} does not apply to {', '.join(policies)} ({taken}); drop it or add "
-                                 "a policy that takes it")
+            taken = "; ".join(
+                f"{name} takes {', '.join(_flag(p) for p in names) or 'no parts'}" for name, names in takes.items()
+            )
+            raise H2OStreamError(
+                f"{_flag(part)} does not apply to {', '.join(policies)} ({taken}); drop it or add "
+                "a policy that takes it"
+            )
     specs = []
     for name in policies:
         if policy_class(name).needs_tokenizer and tokenizer is None:
             continue
         given = {k: v for k, v in parts.items() if v is not None and k in takes[name]}
         # a part given as a list of several values is swept (one run each); a list of one is that value
-        fixed = {k: (v[0] if isinstance(v, list) else v) for k, v in given.items()
-                 if not isinstance(v, list) or len(v) == 1}
+        fixed = {
+            k: (v[0] if isinstance(v, list) else v) for k, v in given.items() if not isinstance(v, list) or len(v) == 1
+        }
         swept = {k: v for k, v in given.items() if isinstance(v, list) and len(v) > 1}
         if not policy_class(name).part_names():
             specs.append((name, make_policy(name, tokenizer=tokenizer, **fixed)))
@@ -70,8 +78,9 @@ def run_specs(policies: list[str], sizes: list[int], parts: dict, tokenizer=None
             for values in itertools.product(*swept.values()):
                 choice = dict(zip(swept, values, strict=True))
                 suffix = "".join(f"-{part}={value}" for part, value in choice.items())
-                specs.append((f"{name}-{size}{suffix}", make_policy(name, size, tokenizer=tokenizer, **fixed,
-                                                                     **choice)))
+                specs.append(
+                    (f"{name}-{size}{suffix}", make_policy(name, size, tokenizer=tokenizer, **fixed, **choice))
+                )
     return specs
 
 
@@ -107,25 +116,51 @@ class Sweep:
         out = Path(self.out)
         out.mkdir(parents=True, exist_ok=True)
         source = describe_source(self.data)
-        base = {"model": model_name, "model_weights": model_fingerprint(model),
-                "dtype": str(model.dtype).removeprefix("torch."), "device": model.device.type, "data": source,
-                **corpus_settings(self.data), "skip_tokens": self.skip_tokens, "curve_every": self.curve_every}
+        base = {
+            "model": model_name,
+            "model_weights": model_fingerprint(model),
+            "dtype": str(model.dtype).removeprefix("torch."),
+            "device": model.device.type,
+            "data": source,
+            **corpus_settings(self.data),
+            "skip_tokens": self.skip_tokens,
+            "curve_every": self.curve_every,
+        }
 
         def new_run(policy: EvictionPolicy) -> PerplexityRun:  # checks the budget and chunk against the model
-            return PerplexityRun(model, policy, chunk_size=self.chunk_size, rolling=self.rolling,
-                                 curve_every=self.curve_every, reset_per_book=self.reset_per_book, settings=base,
-                                 wide_chunks=self.wide_chunks, span=self.span, sliding=self.sliding)
+            return PerplexityRun(
+                model,
+                policy,
+                chunk_size=self.chunk_size,
+                rolling=self.rolling,
+                curve_every=self.curve_every,
+                reset_per_book=self.reset_per_book,
+                settings=base,
+                wide_chunks=self.wide_chunks,
+                span=self.span,
+                sliding=self.sliding,
+            )
 
         plans = [plan(name, new_run(policy), out, self.tokens, self.resume) for name, policy in self.specs]
         # the reports cover every result in `out`: one made on another stream or model would be ranked beside these
-        check_comparable(results_in(out), out, {**base, "rolling": self.rolling, "reset_per_book": self.reset_per_book},
-                         "the runs of this command")
+        check_comparable(
+            results_in(out),
+            out,
+            {**base, "rolling": self.rolling, "reset_per_book": self.reset_per_book},
+            "the runs of this command",
+        )
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
         fixed_positions = not self.rolling and not self.reset_per_book
         context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
-        streamed = check_stream(self.pieces(tokenizer), plans, tokens=self.tokens, reset_per_book=self.reset_per_book,
-                                source=source, skip_tokens=self.skip_tokens,
-                                count_to=context + 1 if fixed_positions else 0)
+        streamed = check_stream(
+            self.pieces(tokenizer),
+            plans,
+            tokens=self.tokens,
+            reset_per_book=self.reset_per_book,
+            source=source,
+            skip_tokens=self.skip_tokens,
+            count_to=context + 1 if fixed_positions else 0,
+        )
         if fixed_positions:
             new_run(self.specs[0][1]).cache.check_fits(streamed)
         return new_run, plans
@@ -133,19 +168,25 @@ class Sweep:
     def check(self) -> None:
         """Fail before the model is loaded: results or reports in `out` without `resume`, or a corpus without books."""
         if self.tokens < 2:
-            raise H2OStreamError(f"--tokens must be at least 2 (the stream's first token is not predicted), got "
-                                 f"{self.tokens}")
+            raise H2OStreamError(
+                f"--tokens must be at least 2 (the stream's first token is not predicted), got {self.tokens}"
+            )
         out = Path(self.out)
-        existing = sorted(out.glob("*.ckpt")) + sorted(out.glob("*.json")) + [out / r for r in REPORTS] \
-            if out.is_dir() else []
+        existing = (
+            sorted(out.glob("*.ckpt")) + sorted(out.glob("*.json")) + [out / r for r in REPORTS] if out.is_dir() else []
+        )
         existing = [path for path in existing if path.exists()]
         if existing and not self.resume:
-            raise H2OStreamError(f"{out} already holds results ({existing[0].name}, ...); pass --resume to continue "
-                                 "those runs or choose another --out")
+            raise H2OStreamError(
+                f"{out} already holds results ({existing[0].name}, ...); pass --resume to continue "
+                "those runs or choose another --out"
+            )
         corpus = corpus_directory(self.data)
         if corpus is not None and corpus in (out.resolve(), *out.resolve().parents):
-            raise H2OStreamError(f"--out {out} is inside the corpus --data {self.data}: the results written there "
-                                 "would be read as books of the corpus; choose an --out outside it")
+            raise H2OStreamError(
+                f"--out {out} is inside the corpus --data {self.data}: the results written there "
+                "would be read as books of the corpus; choose an --out outside it"
+            )
         if next(iter_books(self.data), None) is None:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
 
@@ -163,15 +204,23 @@ class Sweep:
         by_span: dict[int, list[str]] = {}
         for name, policy in self.specs:
             by_span.setdefault(forward_span(policy, self.chunk_size, self.span)[1], []).append(name)
-        return [names[i:i + self.rows] for names in by_span.values() for i in range(0, len(names), self.rows)]
+        return [names[i : i + self.rows] for names in by_span.values() for i in range(0, len(names), self.rows)]
 
     def only(self, names: list[str]) -> Sweep:
         """This sweep with only the runs `names` (a worker's or a Ray task's share)."""
         specs = dict(self.specs)
         return dataclasses.replace(self, specs=[(name, specs[name]) for name in names])
 
-    def run(self, model, tokenizer, model_name: str, note: Callable[[str], None] = lambda text: None,
-            stop: StopRequest | None = None, bars: Bars | None = None, report: bool = True) -> list[dict]:
+    def run(
+        self,
+        model,
+        tokenizer,
+        model_name: str,
+        note: Callable[[str], None] = lambda text: None,
+        stop: StopRequest | None = None,
+        bars: Bars | None = None,
+        report: bool = True,
+    ) -> list[dict]:
         """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
         `resume`); writes the files and returns the results of every run in `out`. `note` receives one line per event
         worth telling a user (a run starts, resumes, runs out of corpus). With `stop`, a requested stop checkpoints
@@ -193,26 +242,41 @@ class Sweep:
                 if stop is not None and stop.requested:
                     raise Interrupted(stop.signum, None, None)
                 runs = [self._start(name, policies[name], new_run, starts[name], note) for name in names]
-                execute(runs, self.pieces(tokenizer), self.tokens, [out / f"{name}.ckpt" for name in names],
-                        self.checkpoint_every, stop, ", ".join(names), bars)
+                execute(
+                    runs,
+                    self.pieces(tokenizer),
+                    self.tokens,
+                    [out / f"{name}.ckpt" for name in names],
+                    self.checkpoint_every,
+                    stop,
+                    ", ".join(names),
+                    bars,
+                )
                 for name, run in zip(names, runs, strict=True):
                     self._finish(name, run, len(runs), note)
         return write_reports(out) if report else []
 
     def _start(self, name: str, policy: EvictionPolicy, new_run, start: Plan, note) -> PerplexityRun:
         run = new_run(policy)
-        note(f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
-             f"in forwards of {run.span}, {'rolling' if self.rolling else 'no rolling'}")
+        note(
+            f"== {name}: {policy.describe()}, chunk {run.chunk_size}{' (wide)' if self.wide_chunks else ''} "
+            f"in forwards of {run.span}, {'rolling' if self.rolling else 'no rolling'}"
+        )
         if start.position:
             checkpoint = Path(self.out) / f"{name}.ckpt"
             run.load(checkpoint)
             # A run that --tokens ended checkpoints before its last, cut-short forward, so a longer run resumes a
             # little before where the first one stopped (2,816 of 3,000 tokens, say): say so.
-            further = (f" (that run went on to token {start.result_tokens:,}: it checkpoints before a last forward "
-                       "cut short by --tokens, so that a longer run makes that forward whole)"
-                       if start.result_tokens > run.position else "")
-            note(f"   resumed at token {run.position:,}: the tokens before it were scored by an earlier run, whose "
-                 f"checkpoint is {checkpoint}{further}")
+            further = (
+                f" (that run went on to token {start.result_tokens:,}: it checkpoints before a last forward "
+                "cut short by --tokens, so that a longer run makes that forward whole)"
+                if start.result_tokens > run.position
+                else ""
+            )
+            note(
+                f"   resumed at token {run.position:,}: the tokens before it were scored by an earlier run, whose "
+                f"checkpoint is {checkpoint}{further}"
+            )
         return run
 
     def _finish(self, name: str, run: PerplexityRun, rows: int, note) -> None:
@@ -226,8 +290,14 @@ class Sweep:
         write(Path(self.out) / f"{name}.json", lambda path: write_json(path, result))
 
 
-def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: StopRequest | None = None,
-              note: Callable[[str], None] = lambda text: None, bars: Bars | None = None) -> None:
+def run_share(
+    sweep: Sweep,
+    groups: Iterable[list[str]],
+    loading: dict,
+    stop: StopRequest | None = None,
+    note: Callable[[str], None] = lambda text: None,
+    bars: Bars | None = None,
+) -> None:
     """A worker's or a Ray task's share of `sweep`: load the model once with `loading` (load_model's keyword
     arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all. The parent
     already showed the model loading: here it loads without transformers' progress bar."""
@@ -242,8 +312,9 @@ def run_share(sweep: Sweep, groups: Iterable[list[str]], loading: dict, stop: St
     loaded = load_model(**loading)
     note(f"ready: torch and {loaded.name} loaded")
     for names in groups:  # the reports over every run are the parent's to write, once all have finished
-        sweep.only(names).run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, bars=bars,
-                              report=False)
+        sweep.only(names).run(
+            loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note, bars=bars, report=False
+        )
 
 
 def write_reports(out: Path) -> list[dict]:
@@ -252,6 +323,8 @@ def write_reports(out: Path) -> list[dict]:
     if not results:
         return results
     write(out / "ppl.png", lambda path: plot_curves(results, path, title_of(results)))
-    write(out / "summary.json", lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"}
-                                                             for r in results]))
+    write(
+        out / "summary.json",
+        lambda path: write_json(path, [{k: v for k, v in r.items() if k != "curve"} for r in results]),
+    )
     return results

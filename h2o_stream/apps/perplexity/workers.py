@@ -34,6 +34,7 @@ def auto_workers(runs: int, model, *, cores: int | None = None, available: int |
     cores = cores or os.cpu_count() or 1
     if available is None:
         import psutil
+
         available = psutil.virtual_memory().available
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     fits = available // (2 * weights + (512 << 20))
@@ -62,8 +63,10 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
     for _ in range(count):
         names.put(None)
     loading = {**loading, "threads": threads_per_worker(workers, loading.get("threads"))}
-    processes = [context.Process(target=_work, args=(index, sweep, loading, names, events), daemon=True)
-                 for index in range(count)]
+    processes = [
+        context.Process(target=_work, args=(index, sweep, loading, names, events), daemon=True)
+        for index in range(count)
+    ]
     stop = StopRequest()
     bars = Bars(leave=False)  # the workers' bars, drawn here: one line per run in progress
     with stop.catching():
@@ -75,8 +78,10 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
                 process.start()
         finally:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-        note(f"== {len(sweep.specs)} runs on {count} workers, {loading['threads']} thread(s) each; each worker first "
-             "imports torch and loads its own copy of the model")
+        note(
+            f"== {len(sweep.specs)} runs on {count} workers, {loading['threads']} thread(s) each; each worker first "
+            "imports torch and loads its own copy of the model"
+        )
         failures, forwarded = [], False
         while any(process.is_alive() for process in processes) or not events.empty():
             if stop.requested and not forwarded:
@@ -126,8 +131,14 @@ def _work(index: int, sweep, loading: dict, names, events) -> None:
     try:
         with stop.catching():
             signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
-            run_share(sweep, taken(), loading, stop, note=lambda text: events.put((index, "note", text)),
-                      bars=SentBars(events, index))
+            run_share(
+                sweep,
+                taken(),
+                loading,
+                stop,
+                note=lambda text: events.put((index, "note", text)),
+                bars=SentBars(events, index),
+            )
     except Interrupted as stopped:
         events.put((index, "stopped", str(stopped)))
     except H2OStreamError as error:
@@ -136,8 +147,10 @@ def _work(index: int, sweep, loading: dict, names, events) -> None:
 
 def _stop_with(parent: int) -> None:
     """Stop this worker (SIGTERM to itself: checkpoint and stop) if the parent dies, e.g. by SIGKILL."""
+
     def watch():
         while os.getppid() == parent:
             time.sleep(1)
         os.kill(os.getpid(), signal.SIGTERM)
+
     threading.Thread(target=watch, daemon=True).start()

@@ -53,8 +53,10 @@ def create_app(service: Service) -> FastAPI:
     @app.exception_handler(HTTPException)
     async def http_error(request, error: HTTPException):
         message = "no such route" if error.status_code == 404 else str(error.detail)
-        return JSONResponse(ApiError(error.status_code, f"{message}: {request.method} {request.url.path}").body(),
-                            status_code=error.status_code)
+        return JSONResponse(
+            ApiError(error.status_code, f"{message}: {request.method} {request.url.path}").body(),
+            status_code=error.status_code,
+        )
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request, error: RequestValidationError):
@@ -62,8 +64,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.exception_handler(Exception)
     async def internal_error(request, error: Exception):
-        return JSONResponse(ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body(),
-                            status_code=500)
+        return JSONResponse(
+            ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body(), status_code=500
+        )
 
     def authorize(request: Request) -> None:
         if settings.api_key is None:
@@ -71,8 +74,13 @@ def create_app(service: Service) -> FastAPI:
         given = request.headers.get("authorization", "")
         scheme, _, key = given.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-            raise ApiError(401, "a valid API key is needed (Authorization: Bearer KEY)" if given else
-                           "this server needs an API key (Authorization: Bearer KEY)", code="invalid_api_key")
+            raise ApiError(
+                401,
+                "a valid API key is needed (Authorization: Bearer KEY)"
+                if given
+                else "this server needs an API key (Authorization: Bearer KEY)",
+                code="invalid_api_key",
+            )
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -94,8 +102,9 @@ def create_app(service: Service) -> FastAPI:
             cid = completion_id()
             if chat.stream:
                 include_usage = bool(chat.stream_options and chat.stream_options.include_usage)
-                return StreamingResponse(_stream(job, cid, chat.model, include_usage), headers=headers,
-                                         media_type="text/event-stream")
+                return StreamingResponse(
+                    _stream(job, cid, chat.model, include_usage), headers=headers, media_type="text/event-stream"
+                )
             pieces = []
             while True:
                 kind, value = await _next_event(job, request)
@@ -104,8 +113,12 @@ def create_app(service: Service) -> FastAPI:
                 elif kind == "error":
                     raise value
                 else:
-                    return JSONResponse(completion(cid, chat.model, "".join(pieces), value["finish_reason"],
-                                                   value["usage"], value["extra"]), headers=headers)
+                    return JSONResponse(
+                        completion(
+                            cid, chat.model, "".join(pieces), value["finish_reason"], value["usage"], value["extra"]
+                        ),
+                        headers=headers,
+                    )
         except (ApiError, asyncio.CancelledError, _Gone):
             job.cancel()
             raise
@@ -136,8 +149,11 @@ async def _stream(job, cid: str, model: str, include_usage: bool):
         while True:
             kind, value = await job.events.get()
             if kind == "text" or (kind == "done" and not started):
-                delta = {"role": "assistant", "content": value if kind == "text" else ""} if not started \
+                delta = (
+                    {"role": "assistant", "content": value if kind == "text" else ""}
+                    if not started
                     else {"content": value}
+                )
                 started = True
                 yield sse(chunk(cid, model, created, delta))
             if kind == "done":

@@ -31,8 +31,17 @@ class _Described:
 class RemoteSession:
     """A conversation on the server at `url` (its base URL, e.g. http://127.0.0.1:8000/v1)."""
 
-    def __init__(self, url: str, *, api_key: str | None = None, model: str | None = None, system: str | None = None,
-                 sampling: Sampling | None = None, seed: int | None = None, timeout: float = 600):
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        system: str | None = None,
+        sampling: Sampling | None = None,
+        seed: int | None = None,
+        timeout: float = 600,
+    ):
         self.url = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
         self.api_key, self.timeout, self.seed = api_key, timeout, seed
         self.sampling = sampling or Sampling()
@@ -66,10 +75,18 @@ class RemoteSession:
 
     def _turn(self, text: str, should_stop) -> Iterator[str]:
         s = self.sampling
-        body = {"model": self.model, "messages": [*self.messages, {"role": "user", "content": text}],
-                "stream": True, "stream_options": {"include_usage": True}, "temperature": s.temperature,
-                "top_p": s.top_p, "top_k": s.top_k, "repetition_penalty": s.repetition_penalty,
-                "max_tokens": s.max_new_tokens, **({"seed": self.seed} if self.seed is not None else {})}
+        body = {
+            "model": self.model,
+            "messages": [*self.messages, {"role": "user", "content": text}],
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "temperature": s.temperature,
+            "top_p": s.top_p,
+            "top_k": s.top_k,
+            "repetition_penalty": s.repetition_penalty,
+            "max_tokens": s.max_new_tokens,
+            **({"seed": self.seed} if self.seed is not None else {}),
+        }
         reply, finish, usage = "", None, {}
         with self._open("/chat/completions", body) as response:
             for raw in response:
@@ -106,15 +123,26 @@ class RemoteSession:
     def stats(self) -> dict:
         """What /stats shows, from the server's account of the last turn."""
         info = self.info
-        return {"turns": self.turns, "tokens_seen": info.get("tokens_seen", 0), "prompt_tokens":
-                info.get("tokens_seen", 0) - self.generated_tokens, "generated_tokens": self.generated_tokens,
-                "cache_slots": info.get("cache_slots", 0), "cache_budget": info.get("cache_budget"),
-                "policy": info.get("policy", "?"), "evicted": 0, "cache_bytes": 0, "last_tokens_per_second": 0.0,
-                "last_prompt_tokens_per_second": 0.0, "tokens_per_second": 0.0, "rss_bytes": 0}
+        return {
+            "turns": self.turns,
+            "tokens_seen": info.get("tokens_seen", 0),
+            "prompt_tokens": info.get("tokens_seen", 0) - self.generated_tokens,
+            "generated_tokens": self.generated_tokens,
+            "cache_slots": info.get("cache_slots", 0),
+            "cache_budget": info.get("cache_budget"),
+            "policy": info.get("policy", "?"),
+            "evicted": 0,
+            "cache_bytes": 0,
+            "last_tokens_per_second": 0.0,
+            "last_prompt_tokens_per_second": 0.0,
+            "tokens_per_second": 0.0,
+            "rss_bytes": 0,
+        }
 
     def save(self, path):
-        raise H2OStreamError("/save is not available with --server: the server keeps the conversation (in its "
-                             "--state-dir)")
+        raise H2OStreamError(
+            "/save is not available with --server: the server keeps the conversation (in its --state-dir)"
+        )
 
     load = save
 
@@ -134,8 +162,9 @@ class RemoteSession:
 
     def _open(self, path: str, body: dict | None):
         data = None if body is None else json.dumps(body).encode()
-        request = urllib.request.Request(self.url + path, data=data, headers=self._headers(),
-                                         method="GET" if body is None else "POST")
+        request = urllib.request.Request(
+            self.url + path, data=data, headers=self._headers(), method="GET" if body is None else "POST"
+        )
         try:
             return urllib.request.urlopen(request, timeout=self.timeout)
         except urllib.error.HTTPError as error:

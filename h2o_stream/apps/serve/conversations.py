@@ -142,9 +142,17 @@ class Conversations:
         old = self.store.records.get(plan.id)
         generation = (old.generation if old else 0) + 1
         keep = source.keep_prev if not replayed else None
-        record = Record(plan.id, root=history.prefix[0], turns=session.turns, head=history.digest_after(reply),
-                        file=f"{plan.id}.{generation}.session", generation=generation,
-                        prev=keep[0] if keep else None, prev_file=keep[1] if keep else None, updated=time.time())
+        record = Record(
+            plan.id,
+            root=history.prefix[0],
+            turns=session.turns,
+            head=history.digest_after(reply),
+            file=f"{plan.id}.{generation}.session",
+            generation=generation,
+            prev=keep[0] if keep else None,
+            prev_file=keep[1] if keep else None,
+            updated=time.time(),
+        )
         self.store.commit(record, session)
         if old is not None:
             self._unindex(old)

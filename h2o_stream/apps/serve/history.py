@@ -44,9 +44,13 @@ def parse_history(messages: list, cache_key: dict) -> History:
         expected = "user" if index % 2 == 0 else "assistant"
         if role != expected:
             where = "after the system messages" if role in SYSTEM_ROLES else f"where a {expected} message belongs"
-            raise ApiError(400, f"messages[{index + offset}] has role {role!r} {where}: the messages must be "
-                                "system messages (optional), then user and assistant in turn, ending with a user "
-                                "message", param=f"messages[{index + offset}]")
+            raise ApiError(
+                400,
+                f"messages[{index + offset}] has role {role!r} {where}: the messages must be "
+                "system messages (optional), then user and assistant in turn, ending with a user "
+                "message",
+                param=f"messages[{index + offset}]",
+            )
         if role == "user" and not text.strip():
             raise ApiError(400, f"messages[{index + offset}] is empty", param=f"messages[{index + offset}]")
     if not texts or texts[-1][0] != "user":
@@ -69,8 +73,11 @@ def prefix_digests(system: str | None, exchanges: list[tuple[str, str]], cache_k
 
 
 def _chain(previous: str, user: str, reply: str) -> str:
-    parts = [previous, hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest(),
-             hashlib.sha256(reply.strip().encode("utf-8", "surrogatepass")).hexdigest()]
+    parts = [
+        previous,
+        hashlib.sha256(user.encode("utf-8", "surrogatepass")).hexdigest(),
+        hashlib.sha256(reply.strip().encode("utf-8", "surrogatepass")).hexdigest(),
+    ]
     return hashlib.sha256(" ".join(parts).encode()).hexdigest()
 
 
@@ -83,7 +90,10 @@ def _text(content, index: int) -> str:
     pieces = []
     for part in content:
         if part.type != "text" or part.text is None:
-            raise ApiError(400, f"messages[{index}] holds a {part.type!r} part: only text is supported",
-                           param=f"messages[{index}].content")
+            raise ApiError(
+                400,
+                f"messages[{index}] holds a {part.type!r} part: only text is supported",
+                param=f"messages[{index}].content",
+            )
         pieces.append(part.text)
     return "".join(pieces)

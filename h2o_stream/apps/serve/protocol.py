@@ -20,8 +20,15 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 class ApiError(Exception):
     """A request the server refuses (or could not complete): its HTTP status and OpenAI's error object."""
 
-    def __init__(self, status: int, message: str, *, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
 
@@ -96,8 +103,12 @@ def parse_body(body: bytes, limits: Limits) -> ChatRequest:
     if not isinstance(payload, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if isinstance(payload.get("messages"), list) and len(payload["messages"]) > limits.max_messages:
-        raise ApiError(400, f"too many messages: {len(payload['messages'])}, at most {limits.max_messages}",
-                       param="messages", code="too_many_messages")
+        raise ApiError(
+            400,
+            f"too many messages: {len(payload['messages'])}, at most {limits.max_messages}",
+            param="messages",
+            code="too_many_messages",
+        )
     try:
         request = ChatRequest.model_validate(payload)
     except ValidationError as error:
@@ -109,16 +120,22 @@ def parse_body(body: bytes, limits: Limits) -> ChatRequest:
 
 
 def too_large(limits: Limits) -> ApiError:
-    return ApiError(413, f"the request is larger than {limits.max_request_bytes:,} bytes (h2o-stream serve "
-                         "--max-request-bytes)", code="request_too_large")
+    return ApiError(
+        413,
+        f"the request is larger than {limits.max_request_bytes:,} bytes (h2o-stream serve --max-request-bytes)",
+        code="request_too_large",
+    )
 
 
 def _check_supported(request: ChatRequest, limits: Limits) -> None:
     for name in ("max_tokens", "max_completion_tokens"):
         value = getattr(request, name)
         if value is not None and not 1 <= value <= limits.max_tokens:
-            raise ApiError(400, f"{name} must be between 1 and {limits.max_tokens} (h2o-stream serve --max-tokens), "
-                                f"got {value}", param=name)
+            raise ApiError(
+                400,
+                f"{name} must be between 1 and {limits.max_tokens} (h2o-stream serve --max-tokens), got {value}",
+                param=name,
+            )
     if request.n not in (None, 1):
         raise ApiError(400, "n must be 1: one reply per request", param="n")
     if request.logprobs:
@@ -159,16 +176,27 @@ def usage(reused: int, fed: int, generated: int) -> dict:
     """OpenAI's usage object: prompt tokens are the whole history as the model has seen it, of which
     `cached_tokens` were already in the conversation's cache and not fed again."""
     prompt = reused + fed
-    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
-            "prompt_tokens_details": {"cached_tokens": reused}}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": reused},
+    }
 
 
 def completion(cid: str, model: str, text: str, finish: str, usage_: dict, extra: dict) -> dict:
     """A whole (non-streamed) chat.completion."""
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                         "logprobs": None}],
-            "usage": usage_, "h2o_stream": extra}
+    return {
+        "id": cid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": None}
+        ],
+        "usage": usage_,
+        "h2o_stream": extra,
+    }
 
 
 def chunk(cid: str, model: str, created: int, delta: dict | None, finish: str | None = None) -> dict:

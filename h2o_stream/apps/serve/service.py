@@ -80,27 +80,38 @@ class Service:
     @property
     def policy_text(self) -> str:
         """The cache of a new conversation, for people."""
-        return policy_from_settings(self.default_policy).describe() + ("" if self.settings.rolling else
-                                                                       ", no rolling")
+        return policy_from_settings(self.default_policy).describe() + ("" if self.settings.rolling else ", no rolling")
 
     def _policy(self, name: str, size: int | None, parts: dict):
         return make_policy(name, None if name == "full" else size, tokenizer=self.tokenizer, **parts)
 
     def _session(self, system: str | None, policy: dict) -> ChatSession:
-        return ChatSession(self.model, self.tokenizer, policy=policy_from_settings(policy),
-                           rolling=self.settings.rolling, system=system, sampling=chat_sampling(),
-                           chunk_size=self.settings.chunk_size, model_name=self.model_name)
+        return ChatSession(
+            self.model,
+            self.tokenizer,
+            policy=policy_from_settings(policy),
+            rolling=self.settings.rolling,
+            system=system,
+            sampling=chat_sampling(),
+            chunk_size=self.settings.chunk_size,
+            model_name=self.model_name,
+        )
 
     def turn_request(self, request: ChatRequest, conversation: str | None) -> TurnRequest:
         """The turn a checked request asks for; ApiError for what only the server can judge (the model's name,
         the conversation id, a per-request cache)."""
         if request.model != self.settings.served_model:
-            raise ApiError(404, f"the model {request.model!r} does not exist here; this server serves "
-                                f"{self.settings.served_model!r} (GET /v1/models)", param="model",
-                           code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {request.model!r} does not exist here; this server serves "
+                f"{self.settings.served_model!r} (GET /v1/models)",
+                param="model",
+                code="model_not_found",
+            )
         if conversation is not None and not CONVERSATION_ID.fullmatch(conversation):
-            raise ApiError(400, "X-Conversation-Id must be 1 to 64 letters, digits, '-' or '_'",
-                           param="X-Conversation-Id")
+            raise ApiError(
+                400, "X-Conversation-Id must be 1 to 64 letters, digits, '-' or '_'", param="X-Conversation-Id"
+            )
         policy = self.default_policy
         if request.policy is not None or request.cache_size is not None:
             name = request.policy or self.settings.policy
@@ -109,11 +120,16 @@ class Service:
                 policy = self._policy(name, request.cache_size or self.settings.cache_size, parts).settings()
             except H2OStreamError as error:
                 raise ApiError(400, f"policy/cache_size: {error}", param="policy") from None
-        history = parse_history(request.messages, {"policy": policy, "rolling": self.settings.rolling,
-                                                   "model": self._model_key})
-        sampling = {"temperature": request.temperature, "top_p": request.top_p, "top_k": request.top_k,
-                    "repetition_penalty": request.repetition_penalty,
-                    "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens}
+        history = parse_history(
+            request.messages, {"policy": policy, "rolling": self.settings.rolling, "model": self._model_key}
+        )
+        sampling = {
+            "temperature": request.temperature,
+            "top_p": request.top_p,
+            "top_k": request.top_k,
+            "repetition_penalty": request.repetition_penalty,
+            "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens,
+        }
         return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))
 
 

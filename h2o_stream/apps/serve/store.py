@@ -86,8 +86,10 @@ class Store:
             self._remove_unreferenced(record)
         unindexed = {p.name.split(".")[0] for p in self.dir.glob("*.session")} - set(self.records)
         if unindexed:
-            notices.append(f"{len(unindexed)} conversation(s) in {self.dir} have session files but no readable index "
-                           "and are not served; their files are kept")
+            notices.append(
+                f"{len(unindexed)} conversation(s) in {self.dir} have session files but no readable index "
+                "and are not served; their files are kept"
+            )
         return notices
 
     def close(self) -> None:
@@ -106,8 +108,9 @@ class Store:
         except BlockingIOError:
             holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise H2OStreamError(f"{self.root} is in use by another h2o-stream serve (pid {holder}); stop it or "
-                                 "give another --state-dir") from None
+            raise H2OStreamError(
+                f"{self.root} is in use by another h2o-stream serve (pid {holder}); stop it or give another --state-dir"
+            ) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
@@ -124,14 +127,14 @@ class Store:
         target = self.path(record.file)
         try:
             session_file.save(session, target)
-            write_json(self.path(f"{record.id}.json"), {"kind": INDEX_KIND, "version": INDEX_VERSION,
-                                                        **asdict(record)})
+            write_json(self.path(f"{record.id}.json"), {"kind": INDEX_KIND, "version": INDEX_VERSION, **asdict(record)})
         except (H2OStreamError, OSError) as error:
             with contextlib.suppress(OSError):
                 target.unlink(missing_ok=True)
             why = str(error) if isinstance(error, H2OStreamError) else (error.strerror or one_line(error))
-            raise NotSaved(f"conversation {record.id} could not be saved ({why}); it stays at its last "
-                                 "completed turn") from None
+            raise NotSaved(
+                f"conversation {record.id} could not be saved ({why}); it stays at its last completed turn"
+            ) from None
         self.records[record.id] = record
         self._remove_unreferenced(record)
 
@@ -169,8 +172,12 @@ def _read_index(path: Path) -> Record:
     except TypeError as error:
         raise ValueError(f"the index lacks a field ({error})") from None
     types = {"id": str, "root": str, "turns": int, "head": str, "file": str, "generation": int}
-    if not all(isinstance(getattr(record, k), t) and not isinstance(getattr(record, k), bool)
-               for k, t in types.items()) or record.turns < 1:
+    if (
+        not all(
+            isinstance(getattr(record, k), t) and not isinstance(getattr(record, k), bool) for k, t in types.items()
+        )
+        or record.turns < 1
+    ):
         raise ValueError("the index has a field of the wrong type")
     if record.id != path.stem or not CONVERSATION_ID.fullmatch(record.id):
         raise ValueError(f"the index names another conversation ({record.id!r})")

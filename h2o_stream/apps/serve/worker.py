@@ -97,9 +97,13 @@ class Worker:
     def submit(self, request: TurnRequest, loop: asyncio.AbstractEventLoop) -> Job:
         with self._count_lock:
             if self._count >= self.max_jobs:
-                raise ApiError(429, f"the server has {self._count} requests waiting or under way, its limit "
-                                    f"(h2o-stream serve --max-queue); try again shortly", kind="rate_limit_error",
-                               code="server_busy")
+                raise ApiError(
+                    429,
+                    f"the server has {self._count} requests waiting or under way, its limit "
+                    f"(h2o-stream serve --max-queue); try again shortly",
+                    kind="rate_limit_error",
+                    code="server_busy",
+                )
             self._count += 1
         job = Job(request, loop)
         self._inbox.put(job)
@@ -201,10 +205,18 @@ class Worker:
         """The turn's steps, as a generator: replayed exchanges, then the reply piece by piece, then the commit."""
         request, plan = job.request, job.plan
         history = request.history
-        replay = history.exchanges[source.start:]
+        replay = history.exchanges[source.start :]
         reused = session.cache.seen
-        job.emit("start", {"conversation": plan.id, "how": plan.how, "reused_turns": source.start,
-                           "replayed_turns": len(replay), "notices": list(plan.notices)})
+        job.emit(
+            "start",
+            {
+                "conversation": plan.id,
+                "how": plan.how,
+                "reused_turns": source.start,
+                "replayed_turns": len(replay),
+                "notices": list(plan.notices),
+            },
+        )
         fed = 0
         for user, reply in replay:
             fed += session.replay(user, reply).prompt_tokens
@@ -226,13 +238,27 @@ class Worker:
         self.conversations.commit(plan, source, session, history, result.text, len(replay))
         fed += result.prompt_tokens
         stats = session.stats()
-        job.emit("done", {"text": result.text, "finish_reason": FINISH_REASONS[result.stop_reason],
-                          "usage": usage(reused, fed, result.generated_tokens),
-                          "extra": {"conversation": plan.id, "how": plan.how, "reused_turns": source.start,
-                                    "replayed_turns": len(replay), "fed_tokens": fed,
-                                    "turns": session.turns, "tokens_seen": stats["tokens_seen"],
-                                    "cache_slots": stats["cache_slots"], "cache_budget": stats["cache_budget"],
-                                    "policy": stats["policy"], "notices": list(plan.notices)}})
+        job.emit(
+            "done",
+            {
+                "text": result.text,
+                "finish_reason": FINISH_REASONS[result.stop_reason],
+                "usage": usage(reused, fed, result.generated_tokens),
+                "extra": {
+                    "conversation": plan.id,
+                    "how": plan.how,
+                    "reused_turns": source.start,
+                    "replayed_turns": len(replay),
+                    "fed_tokens": fed,
+                    "turns": session.turns,
+                    "tokens_seen": stats["tokens_seen"],
+                    "cache_slots": stats["cache_slots"],
+                    "cache_budget": stats["cache_budget"],
+                    "policy": stats["policy"],
+                    "notices": list(plan.notices),
+                },
+            },
+        )
 
 
 def _api_error(error: Exception) -> ApiError:
@@ -242,5 +268,9 @@ def _api_error(error: Exception) -> ApiError:
         return ApiError(507, str(error), kind="server_error", code="insufficient_storage")
     if isinstance(error, H2OStreamError):
         return ApiError(400, str(error))
-    return ApiError(500, f"the turn failed: {type(error).__name__}: {one_line(error)}; the conversation stays at its "
-                         "last completed turn", kind="server_error")
+    return ApiError(
+        500,
+        f"the turn failed: {type(error).__name__}: {one_line(error)}; the conversation stays at its "
+        "last completed turn",
+        kind="server_error",
+    )

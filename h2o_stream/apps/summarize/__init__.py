@@ -8,9 +8,12 @@ checks; results.py what comes back. The names below are imported on first use (`
 
 from h2o_stream.lazy import lazy_exports
 
-__getattr__, __dir__, __all__ = lazy_exports(__name__, {
-    ".api": ("resolve_model", "summarize"),
-    ".documents": ("Document", "as_document", "list_books", "load_document"),
-    ".prompts": ("Prompt", "build_prompt", "encode"),
-    ".results": ("SectionSummary", "SummaryResult"),
-})
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".api": ("resolve_model", "summarize"),
+        ".documents": ("Document", "as_document", "list_books", "load_document"),
+        ".prompts": ("Prompt", "build_prompt", "encode"),
+        ".results": ("SectionSummary", "SummaryResult"),
+    },
+)

@@ -36,20 +36,35 @@ from .settings import (
 )
 
 
-def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_size: int | None = DEFAULT_CACHE_SIZE,
-              chunk_size: int = DEFAULT_CHUNK_SIZE, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
-              instruction: str = DEFAULT_INSTRUCTION, strategy: str = "single", section_tokens: int | None = None,
-              section_max_new_tokens: int = DEFAULT_SECTION_MAX_NEW_TOKENS,
-              section_instruction: str = DEFAULT_SECTION_INSTRUCTION, book: int | str | None = None,
-              rolling: bool = True, temperature: float = DEFAULT_TEMPERATURE, top_p: float = DEFAULT_TOP_P,
-              seed: int | None = None, repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
-              no_repeat_ngram_size: int = DEFAULT_NO_REPEAT_NGRAM_SIZE, dtype: str = "float32", device: str = "cpu",
-              threads: int | None = None,
-              on_progress: Callable[[int, int], None] | None = None,
-              on_text: Callable[[str], None] | None = None,
-              on_section: Callable[[SectionSummary], None] | None = None,
-              on_warning: Callable[[str], None] | None = None,
-              **parts: int | None) -> SummaryResult:
+def summarize(
+    text_or_path,
+    model=None,
+    *,
+    policy: str = DEFAULT_POLICY,
+    cache_size: int | None = DEFAULT_CACHE_SIZE,
+    chunk_size: int = DEFAULT_CHUNK_SIZE,
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    instruction: str = DEFAULT_INSTRUCTION,
+    strategy: str = "single",
+    section_tokens: int | None = None,
+    section_max_new_tokens: int = DEFAULT_SECTION_MAX_NEW_TOKENS,
+    section_instruction: str = DEFAULT_SECTION_INSTRUCTION,
+    book: int | str | None = None,
+    rolling: bool = True,
+    temperature: float = DEFAULT_TEMPERATURE,
+    top_p: float = DEFAULT_TOP_P,
+    seed: int | None = None,
+    repetition_penalty: float = DEFAULT_REPETITION_PENALTY,
+    no_repeat_ngram_size: int = DEFAULT_NO_REPEAT_NGRAM_SIZE,
+    dtype: str = "float32",
+    device: str = "cpu",
+    threads: int | None = None,
+    on_progress: Callable[[int, int], None] | None = None,
+    on_text: Callable[[str], None] | None = None,
+    on_section: Callable[[SectionSummary], None] | None = None,
+    on_warning: Callable[[str], None] | None = None,
+    **parts: int | None,
+) -> SummaryResult:
     """Summarize a document of any length with a fixed-size KV cache.
 
     `text_or_path`: the text itself, a `Document`, or a corpus read by `h2o_stream.loading.corpus` ("sample", a
@@ -67,15 +82,37 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
     started = time.perf_counter()
     # Every argument is checked before the document is read or the model loaded.
     instruction, max_new_tokens, section_instruction = check_settings(
-        strategy=strategy, instruction=instruction, max_new_tokens=max_new_tokens, policy=policy,
-        cache_size=cache_size, chunk_size=chunk_size, section_tokens=section_tokens,
-        section_max_new_tokens=section_max_new_tokens, section_instruction=section_instruction, **parts)
-    sampling = Sampling(temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seed=seed,
-                        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size)
+        strategy=strategy,
+        instruction=instruction,
+        max_new_tokens=max_new_tokens,
+        policy=policy,
+        cache_size=cache_size,
+        chunk_size=chunk_size,
+        section_tokens=section_tokens,
+        section_max_new_tokens=section_max_new_tokens,
+        section_instruction=section_instruction,
+        **parts,
+    )
+    sampling = Sampling(
+        temperature=temperature,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        seed=seed,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+    )
     document = as_document(text_or_path, book=book)
     net, tokenizer, name = resolve_model(model, dtype=dtype, device=device, threads=threads)
-    reader = Reader(net, tokenizer, policy=policy, cache_size=cache_size, chunk_size=chunk_size, rolling=rolling,
-                    sampling=sampling, **parts)
+    reader = Reader(
+        net,
+        tokenizer,
+        policy=policy,
+        cache_size=cache_size,
+        chunk_size=chunk_size,
+        rolling=rolling,
+        sampling=sampling,
+        **parts,
+    )
     sections_asked = section_instruction if strategy == "hierarchical" else None
     for problem in instruction_warnings(reader, instruction, sections_asked):
         if on_warning is not None:
@@ -93,17 +130,43 @@ def summarize(text_or_path, model=None, *, policy: str = DEFAULT_POLICY, cache_s
         text = strategies.single(reader, ids, instruction, max_new_tokens, report, on_text)
     else:
         size = section_tokens or reader.policy.budget or DEFAULT_CACHE_SIZE
-        text = strategies.hierarchical(reader, ids, size, instruction, max_new_tokens, section_instruction,
-                                       section_max_new_tokens, report, on_text, on_section, sections)
+        text = strategies.hierarchical(
+            reader,
+            ids,
+            size,
+            instruction,
+            max_new_tokens,
+            section_instruction,
+            section_max_new_tokens,
+            report,
+            on_text,
+            on_section,
+            sections,
+        )
     run = reader.run
     return SummaryResult(
-        text=text, tokens_read=total, evictions=run.evictions, seconds=time.perf_counter() - started,
-        strategy=strategy, policy=reader.policy.settings(), cache_size=reader.policy.budget, chunk_size=chunk_size,
-        rolling=reader.rolling, tokens_generated=run.tokens_generated, tokens_fed=run.tokens_fed,
-        peak_slots=run.peak_slots, read_seconds=run.read_seconds, generate_seconds=run.generate_seconds,
-        title=document.title, source=document.source, model=name,
-        chat_template=build_prompt(tokenizer, instruction).chat, sections=sections, sampling=asdict(sampling),
-        stop_reason=run.stop_reason)
+        text=text,
+        tokens_read=total,
+        evictions=run.evictions,
+        seconds=time.perf_counter() - started,
+        strategy=strategy,
+        policy=reader.policy.settings(),
+        cache_size=reader.policy.budget,
+        chunk_size=chunk_size,
+        rolling=reader.rolling,
+        tokens_generated=run.tokens_generated,
+        tokens_fed=run.tokens_fed,
+        peak_slots=run.peak_slots,
+        read_seconds=run.read_seconds,
+        generate_seconds=run.generate_seconds,
+        title=document.title,
+        source=document.source,
+        model=name,
+        chat_template=build_prompt(tokenizer, instruction).chat,
+        sections=sections,
+        sampling=asdict(sampling),
+        stop_reason=run.stop_reason,
+    )
 
 
 def instruction_warnings(reader: Reader, instruction: str, section_instruction: str | None = None) -> list[str]:
@@ -116,9 +179,11 @@ def instruction_warnings(reader: Reader, instruction: str, section_instruction: 
             continue
         length = len(build_prompt(reader.tokenizer, text).suffix)
         if length > budget:
-            found.append(f"the {label} is {length} tokens with the prompt's closing, more than the cache holds "
-                         f"({budget} entries): the model cannot see all of it when it writes the summary; shorten "
-                         "it or use a larger cache (--cache-size)")
+            found.append(
+                f"the {label} is {length} tokens with the prompt's closing, more than the cache holds "
+                f"({budget} entries): the model cannot see all of it when it writes the summary; shorten "
+                "it or use a larger cache (--cache-size)"
+            )
     return found
 
 
@@ -134,5 +199,6 @@ def resolve_model(model, *, dtype: str = "float32", device: str = "cpu", threads
     if isinstance(model, (tuple, list)) and len(model) == 2:
         net, tokenizer = model
         return net, tokenizer, getattr(getattr(net, "config", None), "_name_or_path", None) or None
-    raise H2OStreamError(f"model must be a model spec, a LoadedModel or a (model, tokenizer) pair, "
-                         f"got {type(model).__name__}")
+    raise H2OStreamError(
+        f"model must be a model spec, a LoadedModel or a (model, tokenizer) pair, got {type(model).__name__}"
+    )

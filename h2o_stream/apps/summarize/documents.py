@@ -19,6 +19,7 @@ __all__ = ["Document", "as_document", "list_books", "load_document", "text_from_
 @dataclass
 class Document:
     """A document to summarize."""
+
     text: str
     title: str | None = None
     source: str | None = None  # where it came from: a file, "FILE#INDEX" for one book of several; None for text
@@ -46,8 +47,11 @@ def as_document(text_or_path, *, book=None) -> Document:
     if not isinstance(text_or_path, str):
         raise H2OStreamError(f"expected the document's text or a file path, got {type(text_or_path).__name__}")
     name = text_or_path.strip()
-    looks_like_path = ("\n" not in text_or_path and len(text_or_path) < 4096
-                       and (name == SAMPLE or _is_file(name) or name.lower().endswith(PATH_LIKE_SUFFIXES)))
+    looks_like_path = (
+        "\n" not in text_or_path
+        and len(text_or_path) < 4096
+        and (name == SAMPLE or _is_file(name) or name.lower().endswith(PATH_LIKE_SUFFIXES))
+    )
     if looks_like_path:
         return load_document(name, book=book)
     if book is not None:
@@ -64,8 +68,9 @@ def require_text(text: str, label: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as error:
-        raise H2OStreamError(f"{label} is not valid text (character {error.start} is not UTF-8: "
-                             f"{text[error.start]!r})") from None
+        raise H2OStreamError(
+            f"{label} is not valid text (character {error.start} is not UTF-8: {text[error.start]!r})"
+        ) from None
 
 
 def text_from_bytes(data: bytes, label: str) -> str:
@@ -76,8 +81,10 @@ def text_from_bytes(data: bytes, label: str) -> str:
     try:
         text = data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as error:
-        raise H2OStreamError(f"{label} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
-                             "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8") from None
+        raise H2OStreamError(
+            f"{label} is not UTF-8 text (byte 0x{data[error.start]:02x} at offset {error.start}); "
+            "convert it to UTF-8, e.g. iconv -f latin1 -t utf-8"
+        ) from None
     require_text(text, label)
     return text
 

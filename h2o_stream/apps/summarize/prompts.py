@@ -18,6 +18,7 @@ _CHAT_PLACEHOLDER = "\x00H2O_STREAM_DOCUMENT\x00"
 @dataclass
 class Prompt:
     """Token ids around the document: prefix + document + suffix (+ response prefix), then generation."""
+
     prefix: list[int]
     suffix: list[int]
     chat: bool  # whether the tokenizer's chat template was used
@@ -31,16 +32,18 @@ def encode(tokenizer, text: str) -> list[int]:
         return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def build_prompt(tokenizer, instruction: str, *, preamble: str = DOCUMENT_PREAMBLE,
-                 response_prefix: str = "") -> Prompt:
+def build_prompt(
+    tokenizer, instruction: str, *, preamble: str = DOCUMENT_PREAMBLE, response_prefix: str = ""
+) -> Prompt:
     """The chat template (if any) rendered around a placeholder document and split there; `response_prefix` starts
     the answer (e.g. "The secret passkey is")."""
     template = getattr(tokenizer, "chat_template", None)
     if template:
         content = f"{preamble}{_CHAT_PLACEHOLDER}\n\n{instruction}"
         try:
-            rendered = tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                                     add_generation_prompt=True)
+            rendered = tokenizer.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
         except Exception:  # noqa: BLE001 - a template that refuses our message (jinja raises anything): use the plain prompt
             rendered = None
         if isinstance(rendered, str) and rendered.count(_CHAT_PLACEHOLDER) == 1:

@@ -22,6 +22,7 @@ from .settings import DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE, DEFAULT_POLICY, po
 @dataclass
 class Counters:
     """Counted over every pass of one summarize() call."""
+
     evictions: int = 0
     tokens_generated: int = 0
     tokens_fed: int = 0
@@ -38,9 +39,18 @@ class Reader:
     chosen (default: `Sampling()`'s). One random stream (seeded with `sampling.seed`) serves every reply.
     """
 
-    def __init__(self, model, tokenizer, *, policy: str = DEFAULT_POLICY, cache_size: int | None = DEFAULT_CACHE_SIZE,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, rolling: bool = True, sampling: Sampling | None = None,
-                 **parts: int | None):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        policy: str = DEFAULT_POLICY,
+        cache_size: int | None = DEFAULT_CACHE_SIZE,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        rolling: bool = True,
+        sampling: Sampling | None = None,
+        **parts: int | None,
+    ):
         self.model, self.tokenizer = model, tokenizer
         self.policy = make_policy(policy, cache_size, tokenizer=tokenizer, **parts)
         self.chunk_size = positive_int("chunk_size", chunk_size)
@@ -51,11 +61,11 @@ class Reader:
         config = model.config.get_text_config(decoder=True)
         self.context = getattr(config, "max_position_embeddings", None)
         budget = self.policy.budget
-        if self.rolling and budget is not None and self.context is not None \
-                and budget + self.chunk_size > self.context:
+        if self.rolling and budget is not None and self.context is not None and budget + self.chunk_size > self.context:
             raise H2OStreamError(
                 f"cache size {budget} + chunk size {self.chunk_size} exceeds the model's context of {self.context} "
-                f"positions: use a chunk size of at most {self.context - budget}")
+                f"positions: use a chunk size of at most {self.context - budget}"
+            )
         self.run = Counters()
 
     def new_cache(self) -> StreamingCache:
@@ -69,18 +79,20 @@ class Reader:
         if self.policy.budget is None and self.context is not None and total + max_new_tokens > self.context:
             raise H2OStreamError(
                 f"the full policy keeps every token, and {total} prompt tokens + {max_new_tokens} new tokens exceed "
-                f"the model's context of {self.context}: use a bounded policy (h2o, sink, window)")
+                f"the model's context of {self.context}: use a bounded policy (h2o, sink, window)"
+            )
 
     @torch.no_grad()
-    def read(self, cache: StreamingCache, ids: Sequence[int],
-             on_progress: Callable[[int], None] | None = None) -> torch.Tensor:
+    def read(
+        self, cache: StreamingCache, ids: Sequence[int], on_progress: Callable[[int], None] | None = None
+    ) -> torch.Tensor:
         """Feed `ids` into `cache` in chunks; `on_progress(n)` after each chunk with the tokens fed so far. Returns
         the prediction after the last token (vocab,)."""
         start = time.perf_counter()
         tensor = torch.tensor([list(ids)], dtype=torch.long)
         logits = None
         for offset in range(0, tensor.shape[1], self.chunk_size):  # chunk by chunk, to report progress
-            piece = tensor[:, offset:offset + self.chunk_size]
+            piece = tensor[:, offset : offset + self.chunk_size]
             logits = feed(self.model, cache, piece, self.chunk_size)
             self._observe(cache)
             if on_progress is not None:
@@ -89,12 +101,26 @@ class Reader:
         self.run.read_seconds += time.perf_counter() - start
         return logits
 
-    def generate(self, cache: StreamingCache, logits: torch.Tensor, max_new_tokens: int,
-                 on_text: Callable[[str], None] | None = None) -> str:
+    def generate(
+        self,
+        cache: StreamingCache,
+        logits: torch.Tensor,
+        max_new_tokens: int,
+        on_text: Callable[[str], None] | None = None,
+    ) -> str:
         """Decode up to `max_new_tokens` from `logits` (the next-token prediction); the reply, stripped."""
         start = time.perf_counter()
-        reply = generate(self.model, self.tokenizer, cache, logits, self.sampling, stop_ids=self.stops,
-                         generator=self.generator, max_new_tokens=max_new_tokens, on_text=on_text)
+        reply = generate(
+            self.model,
+            self.tokenizer,
+            cache,
+            logits,
+            self.sampling,
+            stop_ids=self.stops,
+            generator=self.generator,
+            max_new_tokens=max_new_tokens,
+            on_text=on_text,
+        )
         self._observe(cache)  # a cache never shrinks, so its size at the end is its peak
         self.run.tokens_fed += reply.fed
         self.run.tokens_generated += len(reply.token_ids)
@@ -102,9 +128,14 @@ class Reader:
         self.run.generate_seconds += time.perf_counter() - start
         return reply.text.strip()
 
-    def answer(self, ids: Sequence[int], prompt: Prompt, max_new_tokens: int,
-               on_progress: Callable[[int], None] | None = None,
-               on_text: Callable[[str], None] | None = None) -> tuple[str, int]:
+    def answer(
+        self,
+        ids: Sequence[int],
+        prompt: Prompt,
+        max_new_tokens: int,
+        on_progress: Callable[[int], None] | None = None,
+        on_text: Callable[[str], None] | None = None,
+    ) -> tuple[str, int]:
         """Read prompt.prefix + ids + prompt.suffix into a fresh cache and generate; (text, evictions)."""
         full = [*prompt.prefix, *ids, *prompt.suffix]
         self.check_length(len(full), max_new_tokens)

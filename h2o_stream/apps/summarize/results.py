@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field
 @dataclass
 class SectionSummary:
     """One intermediate summary of the hierarchical strategy."""
+
     level: int  # 0: a section of the document; 1+: a group of summaries of the level below
     index: int
     start: int  # token range [start, end) of this level's input (level 0: of the document)
@@ -20,6 +21,7 @@ class SectionSummary:
 @dataclass
 class SummaryResult:
     """The summary and how it was made."""
+
     text: str
     tokens_read: int  # document tokens (each read once)
     evictions: int  # cache entries evicted, summed over every layer and KV head of every cache used

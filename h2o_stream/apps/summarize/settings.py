@@ -23,11 +23,20 @@ DEFAULT_REPETITION_PENALTY = 1.2
 DEFAULT_NO_REPEAT_NGRAM_SIZE = 4
 
 
-def check_settings(*, strategy: str, instruction, max_new_tokens, policy: str, cache_size,
-                   chunk_size=DEFAULT_CHUNK_SIZE, section_tokens=None,
-                   section_max_new_tokens=DEFAULT_SECTION_MAX_NEW_TOKENS,
-                   section_instruction=DEFAULT_SECTION_INSTRUCTION, options: bool = False,
-                   **parts) -> tuple[str, int, str]:
+def check_settings(
+    *,
+    strategy: str,
+    instruction,
+    max_new_tokens,
+    policy: str,
+    cache_size,
+    chunk_size=DEFAULT_CHUNK_SIZE,
+    section_tokens=None,
+    section_max_new_tokens=DEFAULT_SECTION_MAX_NEW_TOKENS,
+    section_instruction=DEFAULT_SECTION_INSTRUCTION,
+    options: bool = False,
+    **parts,
+) -> tuple[str, int, str]:
     """Refuse bad settings with one clear message; (instruction, max_new_tokens, section_instruction) cleaned.
     `parts`: the policy's budget parts, as `make_policy` takes them. `options`: name the settings as the command's
     options (--max-new-tokens), not as summarize()'s arguments (max_new_tokens)."""

@@ -22,9 +22,19 @@ def single(reader: Reader, ids: list[int], instruction: str, max_new_tokens: int
     return text
 
 
-def hierarchical(reader: Reader, ids: list[int], size: int, instruction: str, max_new_tokens: int,
-                 section_instruction: str, section_max_new_tokens: int, report, on_text, on_section,
-                 sections: list[SectionSummary]) -> str:
+def hierarchical(
+    reader: Reader,
+    ids: list[int],
+    size: int,
+    instruction: str,
+    max_new_tokens: int,
+    section_instruction: str,
+    section_max_new_tokens: int,
+    report,
+    on_text,
+    on_section,
+    sections: list[SectionSummary],
+) -> str:
     """Sections of `size` tokens summarized one by one, then their summaries (appended to `sections`, and passed to
     `on_section`, as they are made) combined level by level; the final summary."""
     tokenizer = reader.tokenizer
@@ -38,10 +48,13 @@ def hierarchical(reader: Reader, ids: list[int], size: int, instruction: str, ma
     # Level 0: the document, section by section.
     summaries: list[str] = []
     for index, start in enumerate(range(0, len(ids), size)):
-        piece = ids[start:start + size]
+        piece = ids[start : start + size]
         progress = (lambda done, base=start: report(base + done)) if report is not None else None
-        summaries.append(_section(reader, piece, section_prompt, section_max_new_tokens, 0, index, start, progress,
-                                  on_section, sections))
+        summaries.append(
+            _section(
+                reader, piece, section_prompt, section_max_new_tokens, 0, index, start, progress, on_section, sections
+            )
+        )
     # Levels 1+: combine groups of consecutive summaries until they fit in one section.
     level = 0
     while True:
@@ -55,8 +68,20 @@ def hierarchical(reader: Reader, ids: list[int], size: int, instruction: str, ma
         combined, offset = [], 0
         for index, group in enumerate(groups):
             group_ids = [t for p in group for t in p]
-            combined.append(_section(reader, group_ids, combine_prompt, section_max_new_tokens, level, index, offset,
-                                     None, on_section, sections))
+            combined.append(
+                _section(
+                    reader,
+                    group_ids,
+                    combine_prompt,
+                    section_max_new_tokens,
+                    level,
+                    index,
+                    offset,
+                    None,
+                    on_section,
+                    sections,
+                )
+            )
             offset += len(group_ids)
         summaries = combined
     joined = [t for i, s in enumerate(summaries) for t in encode(tokenizer, _numbered(i, s))]
@@ -67,8 +92,15 @@ def hierarchical(reader: Reader, ids: list[int], size: int, instruction: str, ma
 def _section(reader, piece, prompt, max_new_tokens, level, index, start, progress, on_section, sections) -> str:
     began = time.perf_counter()
     text, evicted = reader.answer(piece, prompt, max_new_tokens, progress)
-    section = SectionSummary(level=level, index=index, start=start, end=start + len(piece), text=text,
-                             evictions=evicted, seconds=time.perf_counter() - began)
+    section = SectionSummary(
+        level=level,
+        index=index,
+        start=start,
+        end=start + len(piece),
+        text=text,
+        evictions=evicted,
+        seconds=time.perf_counter() - began,
+    )
     sections.append(section)
     if on_section is not None:
         on_section(section)

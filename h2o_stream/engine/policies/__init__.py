@@ -16,5 +16,14 @@ from .split import make_policy
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")  # importing a policy module registers it
 
-__all__ = ["EvictionPolicy", "POLICIES", "Part", "Setting", "declared_options", "declared_parts", "make_policy",
-           "policy_class", "register"]
+__all__ = [
+    "EvictionPolicy",
+    "POLICIES",
+    "Part",
+    "Setting",
+    "declared_options",
+    "declared_parts",
+    "make_policy",
+    "policy_class",
+    "register",
+]

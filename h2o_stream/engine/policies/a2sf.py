@@ -25,7 +25,14 @@ class A2SFPolicy(EvictionPolicy):
     alpha: float = 0.95
     name = "a2sf"
     parts = (HEAVY, RECENT)
-    options = (Setting("alpha", "forgetting factor in (0, 1]: scores are multiplied by it at every step", 0.95,
-                       within=(0, 1), called="the a2sf forgetting factor"),)
+    options = (
+        Setting(
+            "alpha",
+            "forgetting factor in (0, 1]: scores are multiplied by it at every step",
+            0.95,
+            within=(0, 1),
+            called="the a2sf forgetting factor",
+        ),
+    )
     scoring = Scores("decay", decay="alpha")
     ranking = "score"

@@ -47,8 +47,19 @@ from .declarations import (
 from .slots import at_slots, first_slots, keep_top, last_slots
 from .validation import check_declaration
 
-__all__ = ["HEAVY", "RECENT", "SINKS", "DropOne", "EvictionPolicy", "Part", "Scores", "Setting", "check_count",
-           "shrink_parts", "split_budget"]
+__all__ = [
+    "HEAVY",
+    "RECENT",
+    "SINKS",
+    "DropOne",
+    "EvictionPolicy",
+    "Part",
+    "Scores",
+    "Setting",
+    "check_count",
+    "shrink_parts",
+    "split_budget",
+]
 
 
 class EvictionPolicy:
@@ -186,8 +197,10 @@ class EvictionPolicy:
         (part,) = self._ranked_part_names()
         budgets = pyramid_budgets(getattr(self, part), count, self.beta)
         if self.budget - getattr(self, part) + min(budgets) < 1:
-            raise H2OStreamError(f"{self.describe()} leaves its highest layer no slot at all; use a larger cache, a "
-                                 "recent window or a smaller beta")
+            raise H2OStreamError(
+                f"{self.describe()} leaves its highest layer no slot at all; use a larger cache, a "
+                "recent window or a smaller beta"
+            )
         return [dataclasses.replace(self, **{part: slots}) for slots in budgets]
 
     # -- scores -------------------------------------------------------------------------------------------------
@@ -227,8 +240,9 @@ class EvictionPolicy:
         """Whether scores come from Gumbel-regularised attention (`Scores.gumbel`) rather than the model's own."""
         return self.scoring is not None and self.scoring.gumbel
 
-    def gumbel_draws(self, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int,
-                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def gumbel_draws(
+        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group,
         q_len, k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads,
         k_len) given as stream indices (engine/draws.py)."""
@@ -263,22 +277,25 @@ class EvictionPolicy:
         sinks, recent = self.protected_sinks, self.protected_recent
         if self.ranking == "age":
             import torch
+
             # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
             n = positions.shape[-1]
             return torch.cat([first_slots(sinks, positions), last_slots(n, recent, positions)], dim=-1)
         ranks = RANKERS[self.ranking](self, positions, scores, **extra)
         return keep_top(ranks, self.ranked_slots, sinks=sinks, recent=recent)
 
-    def merged(self, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor,
-               layer: int) -> torch.Tensor:
+    def merged(
+        self, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor, layer: int
+    ) -> torch.Tensor:
         """`values` (batch, kv_heads, n, dim) once the entries a cut does not keep (`kept`, bool (batch, kv_heads, n))
         are merged into the entries after them (eviction "merge": policies/merging.py), in layer `layer`."""
         from .merging import merge_evicted
 
         return merge_evicted(values, positions, scores, kept, span=self.merge_span, seed=self.merge_seed, layer=layer)
 
-    def keep_twice(self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None,
-                   **extra: torch.Tensor) -> torch.Tensor:
+    def keep_twice(
+        self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor
+    ) -> torch.Tensor:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
         keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. A fair chunk of a policy
         whose cuts do not nest needs both before the next chunk; made as one, the layer gathers its tensors once."""
@@ -289,8 +306,11 @@ class EvictionPolicy:
             if both is not None:
                 return both
         first = self.keep(positions, scores, **extra)
-        second = then.keep(at_slots(positions, first), None if scores is None else at_slots(scores, first),
-                           **{name: at_slots(value, first) for name, value in extra.items()})
+        second = then.keep(
+            at_slots(positions, first),
+            None if scores is None else at_slots(scores, first),
+            **{name: at_slots(value, first) for name, value in extra.items()},
+        )
         return first.gather(-1, second)
 
     @property
@@ -317,8 +337,12 @@ class EvictionPolicy:
         """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: rankings
         "age", "score" and "mean" on the model's own attention, dropping what they evict; None for the others, for
         Gumbel-regularised scores and for merging (exact mode stays on the tensor operations)."""
-        if self.budget is None or self.ranking not in ("age", "score", "mean") or self.gumbel \
-                or self.eviction != "drop":
+        if (
+            self.budget is None
+            or self.ranking not in ("age", "score", "mean")
+            or self.gumbel
+            or self.eviction != "drop"
+        ):
             return None
         rule = DropOne(sinks=self.protected_sinks, recent=self.protected_recent, ranked=self.ranking != "age")
         if self.ranking == "score":

@@ -34,10 +34,18 @@ class CaMPolicy(EvictionPolicy):
     merge_seed: int = 0
     name = "cam"
     parts = (SINKS, RECENT)
-    options = (Setting("merge_span", "entries after an evicted one that its value is spread over (CaM's 32)", 32,
-                       within=(0, 1 << 20), called="cam's merge span"),
-               Setting("merge_seed", "seed of the merge coins (a run repeats with the same seed)", 0,
-                       within=(-1, (1 << 32) - 1)))
+    options = (
+        Setting(
+            "merge_span",
+            "entries after an evicted one that its value is spread over (CaM's 32)",
+            32,
+            within=(0, 1 << 20),
+            called="cam's merge span",
+        ),
+        Setting(
+            "merge_seed", "seed of the merge coins (a run repeats with the same seed)", 0, within=(-1, (1 << 32) - 1)
+        ),
+    )
     scoring = Scores("latest")
     ranking = "age"
     eviction = "merge"

@@ -85,8 +85,13 @@ class Setting:
         low, high = self.within if self.within is not None else (-math.inf, math.inf)
         whole = isinstance(self.default, int)
         kind = ("an odd whole number" if self.odd else "a whole number") if whole else "a number"
-        if isinstance(value, bool) or not isinstance(value, int if whole else (int, float)) \
-                or not math.isfinite(value) or not low < value <= high or (self.odd and value % 2 == 0):
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int if whole else (int, float))
+            or not math.isfinite(value)
+            or not low < value <= high
+            or (self.odd and value % 2 == 0)
+        ):
             what = f"{self.name} ({self.called})" if self.called else self.name
             where = f" in ({low:g}, {high:g}]" if self.within is not None else ""
             raise H2OStreamError(f"{what} must be {kind}{where}, got {value!r}")
@@ -131,8 +136,9 @@ class Scores:
         if self.accumulate not in ACCUMULATORS:
             raise H2OStreamError(f"scores accumulate by one of {', '.join(ACCUMULATORS)}, not {self.accumulate!r}")
         if self.accumulate in ("moments", "window") and self.heads != "kv":
-            raise H2OStreamError(f"{self.accumulate} scores (sums of squares, per-query windows) need per-KV-head "
-                                 "scores (heads='kv')")
+            raise H2OStreamError(
+                f"{self.accumulate} scores (sums of squares, per-query windows) need per-KV-head scores (heads='kv')"
+            )
         if self.accumulate == "window" and not self.window:
             raise H2OStreamError("window scores need the window's length (a number or a setting's name)")
 

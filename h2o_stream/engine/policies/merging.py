@@ -9,8 +9,16 @@ if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loa
     import torch
 
 
-def merge_evicted(values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor, *,
-                  span: int, seed: int, layer: int) -> torch.Tensor:
+def merge_evicted(
+    values: torch.Tensor,
+    positions: torch.Tensor,
+    scores: torch.Tensor,
+    kept: torch.Tensor,
+    *,
+    span: int,
+    seed: int,
+    layer: int,
+) -> torch.Tensor:
     """`values` (batch, kv_heads, n, dim) after the entries not `kept` (bool, batch, kv_heads, n) are merged, oldest
     first: an evicted entry e whose latest attention a_e (`scores`, the latest query's, per KV head) is at least the
     mean attention m_e of the entries after it is merged with probability min(1, a_e / m_e), by its seeded coin

@@ -25,7 +25,13 @@ from .snapkv import SnapKVPolicy
 class PyramidKVPolicy(SnapKVPolicy):
     beta: int = 20
     name = "pyramid"
-    options = (*SnapKVPolicy.options,
-               Setting("beta", "how much the highest layer keeps, as a fraction 1/beta of the mean ranked slots",
-                       20, within=(0, 1000)))
+    options = (
+        *SnapKVPolicy.options,
+        Setting(
+            "beta",
+            "how much the highest layer keeps, as a fraction 1/beta of the mean ranked slots",
+            20,
+            within=(0, 1000),
+        ),
+    )
     layer_schedule = "pyramid"

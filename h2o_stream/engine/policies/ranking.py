@@ -26,7 +26,7 @@ from .slots import ages, keep_top, top_slots
 
 
 def by_score(policy, positions, scores, **_):
-    return scores[..., policy.protected_sinks: positions.shape[-1] - policy.protected_recent]
+    return scores[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
 
 
 def by_mean(policy, positions, scores, **_):
@@ -43,13 +43,14 @@ def by_mean(policy, positions, scores, **_):
 
 
 def by_key_diversity(policy, positions, scores, *, keys, **_):
-    return -anchor_similarity(keys)[..., policy.protected_sinks: positions.shape[-1] - policy.protected_recent]
+    return -anchor_similarity(keys)[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
 
 
 def by_token_class(policy, positions, scores, *, tokens, **_):
     import torch
+
     n = positions.shape[-1]
-    middle = tokens[..., policy.protected_sinks: n - policy.protected_recent]
+    middle = tokens[..., policy.protected_sinks : n - policy.protected_recent]
     is_separator = torch.isin(middle, _id_tensor(policy.separator_ids, middle.device))
     # separators above the rest, newer above older within each: (is separator, slot) as one number
     return is_separator.long() * n + torch.arange(middle.shape[-1], device=middle.device)
@@ -57,8 +58,9 @@ def by_token_class(policy, positions, scores, *, tokens, **_):
 
 def by_pooled(policy, positions, scores, **_):
     import torch.nn.functional as F
+
     total = scores.sum(-1) if policy.score_window else scores
-    middle = total[..., policy.protected_sinks: positions.shape[-1] - policy.protected_recent]
+    middle = total[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
     batch, heads, m = middle.shape
     rows = middle.reshape(batch * heads, 1, m)
     kernel = policy.kernel
@@ -69,13 +71,19 @@ def by_pooled(policy, positions, scores, **_):
     return pooled.view(batch, heads, m)
 
 
-RANKERS = {"score": by_score, "mean": by_mean, "key_diversity": by_key_diversity, "token_class": by_token_class,
-           "pooled": by_pooled}
+RANKERS = {
+    "score": by_score,
+    "mean": by_mean,
+    "key_diversity": by_key_diversity,
+    "token_class": by_token_class,
+    "pooled": by_pooled,
+}
 
 
 @memoised(8)
 def _id_tensor(ids: tuple[int, ...], device: torch.device) -> torch.Tensor:
     import torch
+
     return torch.tensor(ids, dtype=torch.long, device=device)
 
 
@@ -83,6 +91,7 @@ def unit_weights(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(keys in float64 (float32 on MPS, which has no float64), the reciprocal of every key's norm (batch, heads, n)):
     ranking in float64 does not hinge on rounding."""
     import torch
+
     keys = keys.to(torch.float32 if keys.device.type == "mps" else torch.float64)
     return keys, torch.linalg.vector_norm(keys, dim=-1).clamp_min(1e-12).reciprocal()
 
@@ -95,6 +104,7 @@ def similarity_to(keys: torch.Tensor, inverse_norms: torch.Tensor, weights: torc
     Two small products instead of normalising every key: a cut runs per layer and block, and normalising and
     `cosine_similarity` made it ten times h2o's."""
     import torch
+
     anchor = torch.matmul(weights.unsqueeze(-2), keys)  # (batch, heads, 1, dim)
     return torch.matmul(keys, anchor.transpose(-1, -2)).squeeze(-1) * inverse_norms
 
@@ -112,15 +122,16 @@ def key_diversity_twice(first, then, positions, *, keys):
     dropped), and it ranks among the entries between the sinks and its own, shorter, recent window, the dropped ones
     last. The same slots as cutting twice; None where the reduction gave up sinks (cut twice then)."""
     import torch
+
     sinks, recent = first.protected_sinks, first.protected_recent
     if then.protected_sinks != sinks or then.protected_recent > recent:
         return None
     n = positions.shape[-1]
     keys, inverse_norms = unit_weights(keys)
     similarity = similarity_to(keys, inverse_norms, inverse_norms)
-    kept_first = keep_top(-similarity[..., sinks: n - recent], first.ranked_slots, sinks=sinks, recent=recent)
+    kept_first = keep_top(-similarity[..., sinks : n - recent], first.ranked_slots, sinks=sinks, recent=recent)
     kept = torch.zeros(inverse_norms.shape, dtype=torch.bool, device=keys.device).scatter_(-1, kept_first, True)
     similarity = similarity_to(keys, inverse_norms, inverse_norms * kept)
     # The first cut keeps the last `recent` >= then's entries, so `then`'s window is the last slots here too.
-    ranks = (-similarity).masked_fill_(~kept, float("-inf"))[..., sinks: n - then.protected_recent]
+    ranks = (-similarity).masked_fill_(~kept, float("-inf"))[..., sinks : n - then.protected_recent]
     return keep_top(ranks, then.ranked_slots, sinks=sinks, recent=then.protected_recent)

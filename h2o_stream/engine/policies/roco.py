@@ -30,11 +30,11 @@ class RoCoPolicy(EvictionPolicy):
     heavy: int
     recent: int
     name = "roco"
-    parts = (Part("volatile", "slots for the entries whose attention varies most (never judged by their mean)",
-                  share=0.3),
-             Part("heavy", "slots for the highest mean attention (over their time in the cache) among the steadier "
-                           "entries"),
-             Part("recent", "recent-window slots, the last entries", fixed=10))  # the official code's 10 newest
+    parts = (
+        Part("volatile", "slots for the entries whose attention varies most (never judged by their mean)", share=0.3),
+        Part("heavy", "slots for the highest mean attention (over their time in the cache) among the steadier entries"),
+        Part("recent", "recent-window slots, the last entries", fixed=10),
+    )  # the official code's 10 newest
     scoring = Scores("moments")
     ranking = "mean"  # the `volatile` of highest variance first, then the highest means
     # exact mode by default: chunks up to its window + 1 (8) sat below exact mode (eval/results/quality/gap.json)

@@ -21,12 +21,12 @@ def update_scores(policy, scores: torch.Tensor, received: torch.Tensor, steps: i
     elif accumulate == "window":  # received: one column per query, the forward's last ones (oldest first)
         arrived = received.shape[-1]
         if arrived >= scores.shape[-1]:
-            scores.copy_(received[..., -scores.shape[-1]:])
+            scores.copy_(received[..., -scores.shape[-1] :])
         else:  # the window moves on by the forward's queries
             scores[..., :-arrived] = scores[..., arrived:].clone()
             scores[..., -arrived:] = received
     elif accumulate == "decay":
-        scores.mul_(policy.decay ** steps).add_(received)  # `steps` decays, as many steps would
+        scores.mul_(policy.decay**steps).add_(received)  # `steps` decays, as many steps would
     else:
         scores += received
 
@@ -43,11 +43,13 @@ def _decays(alpha: float, length: int) -> torch.Tensor:
     """Query i's weight in a chunk of `length`: its attention is decayed by the length - 1 - i steps after it.
     Memoised (every layer of every chunk asks for the same); never modify the result."""
     import torch
+
     return alpha ** torch.arange(length - 1, -1, -1, dtype=torch.float64)
 
 
-def gumbel_draws(policy, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def gumbel_draws(
+    policy, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`policy.gumbel_draws`: the noise and the temperatures, from the policy's Gumbel settings (engine/draws.py)."""
     from ..draws import gumbel_noise, temperatures
 

@@ -30,8 +30,11 @@ def separator_ids(tokenizer) -> tuple[int, ...]:
     special = set(tokenizer.all_special_ids)
     ids = [i for i in range(len(tokenizer)) if i not in special]
     texts = tokenizer.batch_decode([[i] for i in ids], clean_up_tokenization_spaces=False)
-    return tuple(i for i, text in zip(ids, texts, strict=True) if text and all(c in SEPARATOR_PUNCTUATION or c.isspace()
-                                                                  for c in text))
+    return tuple(
+        i
+        for i, text in zip(ids, texts, strict=True)
+        if text and all(c in SEPARATOR_PUNCTUATION or c.isspace() for c in text)
+    )
 
 
 @register
@@ -42,16 +45,22 @@ class SepLLMPolicy(EvictionPolicy):
     recent: int
     separator_ids: tuple[int, ...]
     name = "sepllm"
-    parts = (SINKS, Part("separators", "separator-token slots, the most recent punctuation/newline tokens",
-                         share=0.2), RECENT)
+    parts = (
+        SINKS,
+        Part("separators", "separator-token slots, the most recent punctuation/newline tokens", share=0.2),
+        RECENT,
+    )
     ranking = "token_class"  # separators above the rest, newer above older within each
 
     def __post_init__(self):
         super().__post_init__()
         if not self.separator_ids or not all(isinstance(i, int) and i >= 0 for i in self.separator_ids):
-            raise H2OStreamError("sepllm needs the token ids of its separators; the tokenizer has no separator "
-                                 "tokens (punctuation, whitespace)" if not self.separator_ids else
-                                 f"separator ids must be token ids, got {self.separator_ids!r}")
+            raise H2OStreamError(
+                "sepllm needs the token ids of its separators; the tokenizer has no separator "
+                "tokens (punctuation, whitespace)"
+                if not self.separator_ids
+                else f"separator ids must be token ids, got {self.separator_ids!r}"
+            )
         self.separator_ids = tuple(sorted(set(self.separator_ids)))
 
     @classmethod
@@ -59,8 +68,10 @@ class SepLLMPolicy(EvictionPolicy):
         return {"separator_ids": separator_ids(tokenizer)}
 
     def describe(self) -> str:
-        return (f"{self.name}(sinks={self.sinks}, separators={self.separators}, recent={self.recent}; "
-                f"{len(self.separator_ids)} separator tokens)")
+        return (
+            f"{self.name}(sinks={self.sinks}, separators={self.separators}, recent={self.recent}; "
+            f"{len(self.separator_ids)} separator tokens)"
+        )
 
     def settings(self) -> dict:
         return {**super().settings(), "separator_ids": list(self.separator_ids)}  # as JSON stores it

@@ -27,6 +27,7 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order:
     equal ranks go to the lower slot, i.e. the older entry. `in_slot_order=False`: the same slots in any order (for a
     caller that only marks them), one sort fewer."""
     import torch
+
     m = ranks.shape[-1]
     if count == m - 1:
         top = _all_but(_lowest_last(ranks), m, ranks)
@@ -43,6 +44,7 @@ def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> tor
     them and the last `recent` (ranks (batch, heads, m) covers exactly those m), and the last `recent`; ascending.
     Ties as in `top_slots`."""
     import torch
+
     m = ranks.shape[-1]
     n = sinks + m + recent
     if count == m - 1:
@@ -86,4 +88,5 @@ def slot_range(start: int, stop: int, like: torch.Tensor) -> torch.Tensor:
 @memoised(256)
 def _slot_range(start: int, stop: int, shape: tuple[int, int], device: torch.device) -> torch.Tensor:
     import torch
+
     return torch.arange(start, stop, device=device).expand(*shape, stop - start)

@@ -32,13 +32,22 @@ class SnapKVPolicy(EvictionPolicy):
     kernel: int = 5
     max_pool: bool = False
     name = "snapkv"
-    parts = (Part("heavy", "slots for the highest pooled attention from the observation window"),
-             Part("recent", "recent-window slots, the last entries", share=1 / 8))
-    options = (Setting("observation", "queries in the observation window (the latest ones; 0: as many as the recent "
-                                      "window keeps, as the official code)", 0, within=(-1, 4096),
-                       called="0: the recent window's length"),
-               Setting("kernel", "pooling kernel in slots (odd)", 5, within=(0, 4095), odd=True),
-               Setting("max_pool", "pool by the maximum instead of the average", False))
+    parts = (
+        Part("heavy", "slots for the highest pooled attention from the observation window"),
+        Part("recent", "recent-window slots, the last entries", share=1 / 8),
+    )
+    options = (
+        Setting(
+            "observation",
+            "queries in the observation window (the latest ones; 0: as many as the recent "
+            "window keeps, as the official code)",
+            0,
+            within=(-1, 4096),
+            called="0: the recent window's length",
+        ),
+        Setting("kernel", "pooling kernel in slots (odd)", 5, within=(0, 4095), odd=True),
+        Setting("max_pool", "pool by the maximum instead of the average", False),
+    )
     scoring = Scores("window", window="observation")
     ranking = "pooled"
 

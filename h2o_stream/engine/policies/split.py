@@ -21,8 +21,10 @@ def make_policy(name: str, cache_size: int | None = None, *, tokenizer=None, **p
     known = {**declared_parts(), **declared_options()}
     unknown = sorted(set(parts) - set(known))
     if unknown:
-        raise H2OStreamError(f"no policy takes {', '.join(unknown)}; the parts are {', '.join(declared_parts())}"
-                             f" and the settings {', '.join(declared_options()) or 'none'}")
+        raise H2OStreamError(
+            f"no policy takes {', '.join(unknown)}; the parts are {', '.join(declared_parts())}"
+            f" and the settings {', '.join(declared_options()) or 'none'}"
+        )
     given = {label: value for label, value in parts.items() if value is not None}
     counts = {label: value for label, value in given.items() if label in declared_parts()}
     for label, value in counts.items():
@@ -33,19 +35,25 @@ def make_policy(name: str, cache_size: int | None = None, *, tokenizer=None, **p
             if value > cache_size:
                 raise H2OStreamError(f"{label} ({value}) cannot exceed the cache size ({cache_size})")
     takes = (*cls.part_names(), *cls.option_names())
-    unused = sorted(label for label, value in given.items()
-                    if label not in takes and (value or label not in declared_parts()))
+    unused = sorted(
+        label for label, value in given.items() if label not in takes and (value or label not in declared_parts())
+    )
     if unused:
-        raise H2OStreamError(f"the {name} policy takes {', '.join(takes) or 'nothing but the cache size'}; "
-                             f"it does not take {', '.join(unused)}")
+        raise H2OStreamError(
+            f"the {name} policy takes {', '.join(takes) or 'nothing but the cache size'}; "
+            f"it does not take {', '.join(unused)}"
+        )
     derived = {}
     if cls.needs_tokenizer:
         if tokenizer is None:
-            raise H2OStreamError(f"the {name} policy needs the model's tokenizer (it reads token ids from it); "
-                                 "pass tokenizer= to make_policy")
+            raise H2OStreamError(
+                f"the {name} policy needs the model's tokenizer (it reads token ids from it); "
+                "pass tokenizer= to make_policy"
+            )
         derived = cls.tokenizer_settings(tokenizer)
-    policy = cls.from_budget(cache_size, **{label: value for label, value in given.items() if label in takes},
-                             **derived)
+    policy = cls.from_budget(
+        cache_size, **{label: value for label, value in given.items() if label in takes}, **derived
+    )
     if cache_size is not None and policy.budget not in (None, cache_size):
         raise H2OStreamError(f"{policy.describe()} adds up to {policy.budget}, not the cache size {cache_size}")
     return policy

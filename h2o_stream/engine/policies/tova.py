@@ -25,7 +25,10 @@ class TOVAPolicy(EvictionPolicy):
     per_head: bool = False
     name = "tova"
     parts = (Part("states", "TOVA's states: slots ranked by the current query's attention"),)
-    options = (Setting("per_head", "decide per KV head instead of once per layer (TOVA averages over the "
-                                   "layer's heads)", False),)
+    options = (
+        Setting(
+            "per_head", "decide per KV head instead of once per layer (TOVA averages over the layer's heads)", False
+        ),
+    )
     scoring = Scores("latest", heads="per_head")  # the layer's mean, or per KV head with per_head
     ranking = "score"

@@ -25,23 +25,34 @@ def check_declaration(cls) -> None:
     if cls.scoring is not None and not isinstance(cls.scoring, Scores):
         raise H2OStreamError(f"{cls.__qualname__}.scoring must be a Scores declaration or None")
     if cls.ranking is not None and cls.ranking not in RANKINGS:
-        raise H2OStreamError(f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
-                             f"`keep` of its own), not {cls.ranking!r}")
+        raise H2OStreamError(
+            f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
+            f"`keep` of its own), not {cls.ranking!r}"
+        )
     if cls.ranking in ("score", "mean", "pooled") and cls.scoring is None:
         raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
     if cls.ranking == "mean" and cls.scoring.accumulate != "moments":
         raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
-    if cls.layer_schedule is not None and (cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age")
-                                           or len(cls._ranked_part_names()) != 1):
-        raise H2OStreamError(f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
-                             "policy with a ranking and one ranked part")
+    if cls.layer_schedule is not None and (
+        cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age") or len(cls._ranked_part_names()) != 1
+    ):
+        raise H2OStreamError(
+            f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
+            "policy with a ranking and one ranked part"
+        )
     if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
-        raise H2OStreamError(f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings "
-                             f"{', '.join(GUMBEL_SETTINGS)}")
+        raise H2OStreamError(
+            f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings {', '.join(GUMBEL_SETTINGS)}"
+        )
     if cls.eviction not in EVICTIONS:
         raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")
-    if cls.eviction == "merge" and (cls.scoring is None or cls.scoring.accumulate != "latest"
-                                    or cls.scoring.heads != "kv"
-                                    or not set(MERGE_SETTINGS) <= set(cls.option_names())):
-        raise H2OStreamError(f"{cls.__qualname__} merges what it evicts and needs Scores('latest') per KV head "
-                             f"and the settings {', '.join(MERGE_SETTINGS)}")
+    if cls.eviction == "merge" and (
+        cls.scoring is None
+        or cls.scoring.accumulate != "latest"
+        or cls.scoring.heads != "kv"
+        or not set(MERGE_SETTINGS) <= set(cls.option_names())
+    ):
+        raise H2OStreamError(
+            f"{cls.__qualname__} merges what it evicts and needs Scores('latest') per KV head "
+            f"and the settings {', '.join(MERGE_SETTINGS)}"
+        )
