@@ -46,13 +46,16 @@ def percent(counts: dict[str, int]) -> float:
 
 
 def read_report(data_file: Path) -> dict[str, dict]:
-    """coverage.py's per-file JSON summaries of `data_file` (combining the parallel files beside it first)."""
+    """coverage.py's per-file JSON summaries of `data_file`, the parallel files beside it (subprocesses that no
+    `coverage combine` has merged yet) combined into it first."""
     import coverage
 
-    if not data_file.exists() and not list(data_file.parent.glob(data_file.name + ".*")):
+    parallel = list(data_file.parent.glob(data_file.name + ".*"))
+    if not data_file.exists() and not parallel:
         raise BadInput(f"no coverage data at {data_file}: run `python -m pytest -q --cov` first")
     cov = coverage.Coverage(data_file=str(data_file))
-    if list(data_file.parent.glob(data_file.name + ".*")):
+    if parallel:
+        cov.load()  # first: combining merges into what is loaded, and saving would otherwise drop data_file's data
         cov.combine(keep=False)
         cov.save()
     cov.load()

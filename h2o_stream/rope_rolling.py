@@ -10,11 +10,15 @@ from __future__ import annotations
 
 import inspect
 from collections import OrderedDict
+from typing import TYPE_CHECKING, TypedDict
 
 import torch
 from torch import nn
 
 from .errors import H2OStreamError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 # Model families whose attention rotates the first `rotary_dim` dims of q and k with x * cos + rotate_half(x) * sin,
 # gets cos/sin from `<base model>.rotary_emb(x, position_ids[, layer_type])`, and calls `cache.update` after the
@@ -55,6 +59,20 @@ ROTATE_HALF_FAMILIES = frozenset(ROPE_FAMILIES)  # the families rolling knows (n
 # roller: its keys are stored as the model made them, and its slots are only an order.
 _NOPE_LAYERS = {"cohere2": frozenset({"full_attention"})}
 
+#: where a table's memoised (cos, sin_rh) rows are: (start, inverse, cap) for `_rows`, ("at", positions, inverse) for
+#: `_rows_at`
+_RowsKey = tuple[int, bool, int | None] | tuple[str, range | tuple[int, ...], bool]
+
+
+class RopeTable(TypedDict):
+    """`RopeRoller.table`: the factors, each (length, rotary_dim) float32, and the rows memoised from them."""
+
+    cos: torch.Tensor
+    sin_rh: torch.Tensor
+    ucos: torch.Tensor
+    usin_rh: torch.Tensor
+    rows: dict[_RowsKey, tuple[torch.Tensor, torch.Tensor]]
+
 
 class RopeRoller:
     """cos/sin for slot positions, and the rotation and exact un-rotation of keys.
@@ -69,15 +87,15 @@ class RopeRoller:
         self.head_dim = head_dim
         self.layer_type = layer_type  # passed to a rotary module that serves several layer types (Gemma 3)
         self.layout = layout
-        self._tables: OrderedDict[tuple[int, torch.device], dict[str, torch.Tensor]] = OrderedDict()
+        self._tables: OrderedDict[tuple[int, torch.device], RopeTable] = OrderedDict()
 
     @classmethod
-    def for_model(cls, model: nn.Module) -> RopeRoller:
+    def for_model(cls, model: PreTrainedModel) -> RopeRoller:
         """The roller of the model's first layer that uses positions (see `for_layers`)."""
         return next(roller for roller in cls.for_layers(model) if roller is not None)
 
     @classmethod
-    def for_layers(cls, model: nn.Module) -> list[RopeRoller | None]:
+    def for_layers(cls, model: PreTrainedModel) -> list[RopeRoller | None]:
         """One roller per layer, with that layer's own rotary parameters: layers of one type share one (Gemma 3's
         local and global layers have their own bases and scaling); None for a layer without positions (NoPE)."""
         config = model.config.get_text_config(decoder=True)
@@ -96,12 +114,11 @@ class RopeRoller:
         rollers: dict[str, RopeRoller] = {}
         for kind in set(types) - nope:
             rollers[kind] = cls(rotary, head_dim, kind if per_type else None, ROPE_FAMILIES[model_type])
-        if not per_type:  # one rotary module for every layer: one roller, one set of tables
-            shared = next(iter(rollers.values()), None)
-            rollers = dict.fromkeys(rollers, shared)
+        if not per_type and rollers:  # one rotary module for every layer: one roller, one set of tables
+            rollers = dict.fromkeys(rollers, next(iter(rollers.values())))
         return [rollers.get(kind) for kind in types]
 
-    def table(self, length: int, device: torch.device) -> dict[str, torch.Tensor]:
+    def table(self, length: int, device: torch.device) -> RopeTable:
         """Per-position factors for positions 0..length-1, each (length, rotary_dim), float32.
 
         rotate(x) = x*cos + roll(x)*sin_rh, where roll(x) swaps the two halves and sin_rh carries rotate_half's sign;
@@ -161,12 +178,14 @@ class RopeRoller:
     def pairs(self) -> bool:
         return self.layout == "pairs"
 
-    def _rows_at(self, positions: range | tuple[int, ...], device: torch.device, *, inverse: bool):
+    def _rows_at(
+        self, positions: range | tuple[int, ...], device: torch.device, *, inverse: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_rh) at any positions (a range or a tuple), memoised with the table of their largest."""
         if isinstance(positions, range) and positions.step == 1:
             return self._rows(positions.start, positions.stop, device, inverse=inverse)
         t = self.table(max(positions) + 1, device)
-        key = ("at", positions, inverse)
+        key: _RowsKey = ("at", positions, inverse)
         if key not in t["rows"]:
             if len(t["rows"]) > 64:  # a scan's slot lists repeat in steady state; only warm-up makes new ones
                 t["rows"].clear()
@@ -176,11 +195,13 @@ class RopeRoller:
                 t["rows"][key] = (cos[index], sin_rh[index])
         return t["rows"][key]
 
-    def _rows(self, start: int, stop: int, device: torch.device, *, inverse: bool, cap: int | None = None):
+    def _rows(
+        self, start: int, stop: int, device: torch.device, *, inverse: bool, cap: int | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin_rh) of the table for `stop` at positions start..stop-1 (each at most `cap`, if given),
         memoised with the table: every layer and step asks for the same few."""
         t = self.table(stop, device)
-        key = (start, inverse, cap)
+        key: _RowsKey = (start, inverse, cap)
         if key not in t["rows"]:
             cos, sin_rh = (t["ucos"], t["usin_rh"]) if inverse else (t["cos"], t["sin_rh"])
             if cap is None:

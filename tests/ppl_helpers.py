@@ -84,6 +84,12 @@ def subprocess_env(**extra: str) -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1", **extra}
 
 
+def unmeasured(env: dict[str, str]) -> dict[str, str]:
+    """`env` without coverage.py's measurement of subprocesses (`pytest --cov`, as CI runs): a process under a
+    file-size limit cannot write its coverage data at exit, and would print that failure's traceback."""
+    return {name: value for name, value in env.items() if name != "COVERAGE_PROCESS_CONFIG"}
+
+
 def run_to_end(command: list[str], **env: str) -> subprocess.CompletedProcess:
     done = subprocess.run(command, env=subprocess_env(**env), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr

@@ -17,6 +17,7 @@ from chat_helpers import ONE_THREAD, TRAINING_TEXTS, main_command, session_for  
 from h2o_stream import H2OStreamError
 from h2o_stream.cli.chat import chat
 from h2o_stream.cli.repl import Repl
+from ppl_helpers import unmeasured
 
 
 def run_chat(args, stdin, monkeypatch):
@@ -29,7 +30,7 @@ def run_process(args, stdin: bytes, **kwargs):
         main_command(*args),
         input=stdin,
         capture_output="stdout" not in kwargs,
-        env={**ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"},
+        env=kwargs.pop("env", {**ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"}),
         timeout=120,
         **kwargs,
     )
@@ -54,7 +55,10 @@ def test_a_save_that_fills_the_disk_says_so_and_the_chat_goes_on(model_dir, tmp_
     long_message = "hello world " * 120  # a cache tensor of more than 16 KiB
     stdin = f"{long_message}\n/save {tmp_path}/big.pt\n/stats\nworld\n".encode()
     result = run_process(
-        ["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0], stdin, preexec_fn=small_files
+        ["--model", model_dir, "--max-new-tokens", 3, "--temperature", 0],
+        stdin,
+        preexec_fn=small_files,
+        env=unmeasured({**ONE_THREAD, "PYTHONDONTWRITEBYTECODE": "1"}),
     )
     out, err = result.stdout.decode(), result.stderr.decode()
     assert result.returncode == 1, err  # piped, and one command failed

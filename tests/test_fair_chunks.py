@@ -142,6 +142,12 @@ def test_reduced_policy_shrinks_every_part_but_the_sinks_in_proportion(policy):
         spec.reduced(0)
 
 
+def test_an_unbounded_policy_cannot_be_reduced():
+    # it has no budget to reduce: the refusal, not a TypeError comparing with None
+    with pytest.raises(H2OStreamError, match=r"full\(\) cannot be reduced to 1 slots"):
+        make_policy("full").reduced(1)
+
+
 def test_default_chunk_size_is_a_sixteenth_of_the_budget_unless_a_band_makes_chunks_exact():
     assert default_chunk_size(make_policy("h2o", 256)) == 16
     assert default_chunk_size(make_policy("roco", 512, recent=40)) == 1  # its share is 0: exact mode (compiled)

@@ -156,6 +156,25 @@ def test_bad_declarations_are_refused():
     assert POLICIES["h2o"] is H2OPolicy and "two-rests" not in POLICIES
 
 
+def test_a_declaration_missing_what_the_engine_will_read_is_refused_when_defined():
+    # ranking None promises a `keep` of its own: without one, the first cut was a KeyError (RANKERS[None])
+    with pytest.raises(H2OStreamError, match="ranks nothing .* needs a `keep` of its own"):
+        type("Unranked", (EvictionPolicy,), {"name": "unranked", "parts": (RECENT,), "ranking": None})
+    # a pyramid schedule reads the setting `beta`: without it, making a cache was an AttributeError
+    with pytest.raises(H2OStreamError, match="pyramid schedule and needs the settings beta"):
+        type(
+            "Betaless",
+            (EvictionPolicy,),
+            {
+                "name": "betaless",
+                "parts": (HEAVY, RECENT),
+                "scoring": Scores(),
+                "ranking": "score",
+                "layer_schedule": "pyramid",
+            },
+        )
+
+
 # -- bad input, through make_policy ---------------------------------------------------------------------------------
 
 

@@ -177,6 +177,15 @@ def test_bad_model_argument(tokenizer):
         summarize("Some text.", 42)
 
 
+def test_a_part_named_options_is_an_unknown_part_checked_before_the_model():
+    # `options` is check_settings' own flag (name the settings as the command's options): a part of that name once
+    # went there, unchecked, so it failed only after the model was resolved (and renamed the other errors)
+    with pytest.raises(H2OStreamError, match="no policy takes options"):
+        summarize("Some text.", 42, options=True)
+    with pytest.raises(H2OStreamError, match="^max_new_tokens must be >= 1"):
+        summarize("Some text.", 42, max_new_tokens=0, options=True)
+
+
 # --- the real model ---------------------------------------------------------------------------------------------------
 
 

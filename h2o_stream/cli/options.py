@@ -110,9 +110,9 @@ ray_option = click.option(
 )
 
 
-def cache_options(default_policy: str, default_size: int, *, multiple: bool = False):
+def cache_options(default_policy: str, default_size: int | str, *, multiple: bool = False):
     """--policy, --cache-size, one option per budget part and per setting of the registered policies, and
-    --no-rolling.
+    --no-rolling. `default_size`: the --cache-size default (with `multiple`, it may be a list: "128,256,512").
 
     The command receives `policy` (a name; with `multiple`, a list of names), `cache_size` (an int; with `multiple`, a
     list), `parts` (the parts and settings given on the command line, e.g. {'heavy': 64, 'alpha': 0.9}; pass them on

@@ -56,7 +56,7 @@ class Repl:
         self.interactive = interactive
         self.out = out or sys.stdout
         self.failures = 0
-        self._history_file = None
+        self._history_file: Path | None = None
         self._waiting = False  # reading the next line: a Ctrl-C ends the read
         self._stop = threading.Event()  # a Ctrl-C anywhere else: the reply under way (if any) stops
 

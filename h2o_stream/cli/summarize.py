@@ -137,7 +137,7 @@ def summarize(
         section_tokens=section_tokens,
         section_max_new_tokens=section_max_new_tokens,
         options=True,
-        **parts,
+        parts=parts,
     )
     target = None if out is None else out_path(out, file)
     if file == "-":

@@ -79,6 +79,9 @@ class StreamingCache(Cache):
     model and one batch of unpadded streams; anything else is refused before the model runs (see `begin_forward`).
     """
 
+    # every layer is a StreamingLayer; transformers' Cache declares the list of its own layer types (list is invariant)
+    layers: list[StreamingLayer]  # type: ignore[assignment]
+
     def __init__(
         self,
         model,
@@ -313,7 +316,10 @@ class StreamingCache(Cache):
         if not self.rolling:
             return self.seen, None
         slots = token_slots(self._lead_policy.budget, self._held, self.fair, length, blocks)
-        return (slots[0], list(slots)) if blocks is not None else (slots.start, None)
+        if blocks is not None:
+            return slots[0], list(slots)
+        assert isinstance(slots, range)  # an unscanned forward's slots are one range (token_slots)
+        return slots.start, None
 
     def blocks(self, length: int) -> list[int] | None:
         """The block sizes a forward of `length` tokens is scanned in (see the module docstring), or None when it is

@@ -136,7 +136,7 @@ def _check_positions(position_ids: torch.Tensor | None, seen: int, length: int) 
     """
     if length and (position_ids is None or _continues(position_ids, seen, length)):
         return
-    if length and position_ids.numel():
+    if length and position_ids is not None and position_ids.numel():  # (tokens without position ids returned above)
         first, last = position_ids.min().item(), position_ids.max().item()
         given = f"the forward's position ids ({first}..{last}) do not continue"
     else:

@@ -182,12 +182,13 @@ _cache_cleared = False  # one recovery per process: a second failure is not the 
 def _clear_cache() -> None:
     """Empty the loop's index on disk (its data files are then never read), or stop caching where it cannot be
     written."""
+    # `_cache` is private to numba's Dispatcher: its stubs (numba/core/dispatcher.pyi) leave it out
     try:
-        _exact_steps._cache.flush()
+        _exact_steps._cache.flush()  # type: ignore[attr-defined]  # private, not in numba's stubs (above)
     except OSError:
         from numba.core.caching import NullCache
 
-        _exact_steps._cache = NullCache()
+        _exact_steps._cache = NullCache()  # type: ignore[attr-defined]  # private, not in numba's stubs (above)
 
 
 @numba.njit(inline="always", fastmath=_FASTMATH)  # a call per key, not inlined, doubled the step's time

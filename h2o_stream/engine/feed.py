@@ -42,4 +42,5 @@ def feed(
         if on_chunk is not None:
             on_chunk(piece, logits)
         start += size
+    assert logits is not None  # the loop ran: ids holds at least one token
     return logits[0, -1]

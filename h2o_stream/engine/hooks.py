@@ -87,7 +87,7 @@ class Extras:
         )
 
 
-_said: set[str] = set()
+_said: set[tuple[str, str]] = set()  # (path, what) said already
 
 
 def say_once(path: str, what: str) -> None:

@@ -75,6 +75,11 @@ class StreamingLayer(CacheLayerMixin):
     def slots(self) -> int:
         return 0 if self.keys is None else self.keys.shape[-2]
 
+    def _entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The keys, values and positions of a layer that holds entries (initialized)."""
+        assert self.keys is not None and self.values is not None and self.positions is not None, "not initialized"
+        return self.keys, self.values, self.positions
+
     def update(self, key_states, value_states, *args, **kwargs):
         """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use.
 
@@ -83,7 +88,7 @@ class StreamingLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         if self.moved is not None:
-            key_states = self.roller.move(key_states, *self.moved)
+            key_states = self._move(key_states)
         if self.scan is not None:
             self._incoming = (key_states, value_states)
             return key_states, value_states
@@ -91,7 +96,11 @@ class StreamingLayer(CacheLayerMixin):
 
     def move_query(self, query: torch.Tensor) -> torch.Tensor:
         """The forward's queries at this layer's own slots (see `moved`), from where the model rotated them."""
-        return query if self.moved is None else self.roller.move(query, *self.moved)
+        return query if self.moved is None else self._move(query)
+
+    def _move(self, x: torch.Tensor) -> torch.Tensor:
+        assert self.roller is not None and self.moved is not None  # the cache moves only a rolling layer (`moved`)
+        return self.roller.move(x, *self.moved)
 
     def mask(self, length: int, held: int, device) -> torch.Tensor | None:
         """The mask of a forward of `length` queries over `held` entries and themselves, bool, True = attend, or None
@@ -106,11 +115,16 @@ class StreamingLayer(CacheLayerMixin):
         append it and return the keys and values its queries attend to."""
         if self.scan_fair and self.slots:
             self.make_room(length)
-        keys, values = self._incoming
+        keys, values = self._scanned()
         self._block_is_last = start + length == keys.shape[-2]
         tokens = None if self.pending_tokens is None else self.pending_tokens[:, start : start + length]
         block = slice(start, start + length)
         return self._append(keys[..., block, :], values[..., block, :], tokens)
+
+    def _scanned(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The scanned forward's keys and values, held by `update`."""
+        assert self._incoming is not None, "no scanned forward is running"
+        return self._incoming
 
     def close_scan(self) -> None:
         self._incoming = None
@@ -135,6 +149,7 @@ class StreamingLayer(CacheLayerMixin):
         compiled = compiled_loop()
         self.settle()  # a fair chunk's pending cut: what the first block's make_room(1) would do
         budget = self.policy.budget
+        assert budget is not None  # the loop runs a policy with a `drop_one`, which a bounded one has
         space = self._workspace
         if space is None or not space.holds(self.keys):
             space = self._workspace = compiled.Workspace.around(
@@ -144,7 +159,7 @@ class StreamingLayer(CacheLayerMixin):
         if self.roller is not None:
             table = self.roller.table(budget + 1, self.device)
             tables = (table["cos"], table["sin_rh"], table["ucos"], table["usin_rh"])
-        keys, values = self._incoming
+        keys, values = self._scanned()
         output, held, dropped, most = compiled.exact_steps(
             space,
             self.slots,
@@ -193,12 +208,13 @@ class StreamingLayer(CacheLayerMixin):
         """The Gumbel noise and temperatures (`EvictionPolicy.gumbel_draws`) of the `length` queries now attending
         (the last ones appended) over the entries held."""
         queries = torch.arange(self.seen - length, self.seen, device=self.device)
-        return self.policy.gumbel_draws(self.index, queries, self.positions, group, dtype)
+        return self.policy.gumbel_draws(self.index, queries, self._entries()[2], group, dtype)
 
     def after_attention(self, received: torch.Tensor | None, steps: int = 1) -> None:
         """Fold the attention each entry just received (batch, kv_heads, n) from the forward's `steps` queries into
         the scores (the policy's `update_scores`), then cut back to the budget."""
         if received is not None:
+            assert self.scores is not None  # attention reports what entries received only to a policy with scores
             self.policy.update_scores(self.scores, received, steps=steps)
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
@@ -225,6 +241,7 @@ class StreamingLayer(CacheLayerMixin):
         """Before a fair chunk of `length` tokens: cut to budget + 1 - length entries with the policy's choice at that
         budget, so that the chunk's last query sees budget + 1 keys (see the module docstring)."""
         budget = self.policy.budget
+        assert budget is not None  # fair chunks are a bounded policy's (cache.py)
         kept = budget + 1 - length
         if kept >= self.slots:
             return
@@ -239,16 +256,17 @@ class StreamingLayer(CacheLayerMixin):
         """Keep the `policy.budget` slots `policy` chooses (with `then`: of those, the `then.budget` slots `then`
         chooses), in every per-slot tensor."""
         budget = policy.budget if then is None else then.budget
+        assert budget is not None  # only a bounded policy cuts
         rows = self._kept_rows(policy, then)
-        self.evicted += self.positions.numel() - rows.numel()
+        keys, values, positions = self._entries()
+        self.evicted += positions.numel() - rows.numel()
         if policy.eviction == "merge":  # what goes is merged into the entries after it first
-            kept = torch.zeros(self.positions.numel(), dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
-            self.values = policy.merged(
-                self.values, self.positions, self.scores, kept.view(self.positions.shape), self.index
-            )
-        self.keys = _take(self.keys, rows, budget)
-        self.values = _take(self.values, rows, budget)
-        self.positions = _take(self.positions, rows, budget)
+            assert self.scores is not None  # merging declares Scores("latest") (validation.py)
+            kept = torch.zeros(positions.numel(), dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
+            values = policy.merged(values, positions, self.scores, kept.view(positions.shape), self.index)
+        self.keys = _take(keys, rows, budget)
+        self.values = _take(values, rows, budget)
+        self.positions = _take(positions, rows, budget)
         if self.scores is not None:
             self.scores = _take(self.scores, rows, budget)
         if self.tokens is not None:
@@ -261,20 +279,22 @@ class StreamingLayer(CacheLayerMixin):
         Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
         their answer is memoised: in steady state it is one dictionary lookup per layer and step.
         """
-        batch, heads, slots = self.positions.shape
+        keys, _, positions = self._entries()
+        batch, heads, slots = positions.shape
         memo_key = (batch, heads, slots)
         banded = then is None and policy.band() is not None
         if banded and memo_key in self._rows_memo:
             return self._rows_memo[memo_key]
         extra = {}
         if policy.needs_keys:
-            extra["keys"] = self.keys
+            extra["keys"] = keys
         if policy.needs_tokens:
+            assert self.tokens is not None  # a layer carries token ids for a policy that reads them
             extra["tokens"] = self.tokens
         if then is None:  # scores are None for a policy without them
-            keep = policy.keep(self.positions, self.scores, **extra)
+            keep = policy.keep(positions, self.scores, **extra)
         else:
-            keep = policy.keep_twice(then, self.positions, self.scores, **extra)
+            keep = policy.keep_twice(then, positions, self.scores, **extra)
         if memo_key not in self._offsets_memo:  # where each (row, head)'s slots start in the flattened storage
             with outside_inference_mode():  # kept across forwards: memo.py
                 flat_rows = torch.arange(batch * heads, device=keep.device)
@@ -322,7 +342,7 @@ class StreamingLayer(CacheLayerMixin):
         if not self.policy.needs_scores:
             self.scores = None
         self.is_initialized = self.keys is not None
-        if self.is_initialized:
+        if self.keys is not None:
             self.device = self.keys.device
 
 

@@ -81,9 +81,14 @@ def token_slots(
     a fair chunk first cuts to budget + 1 - length; a scanned forward's blocks (`blocks`) each find n entries (after
     their fair cut), take slots n..n+C-1, and their cut leaves min(n + C, budget)."""
     if blocks is None:
-        n = min(held, budget + 1 - length) if fair and held else held
+        if not (fair and held):
+            return range(held, held + length)
+        assert budget is not None  # fair chunks are a bounded policy's (cache.py)
+        n = min(held, budget + 1 - length)
         return range(n, n + length)
-    slots, n = [], held
+    assert budget is not None  # a scan, or compiled steps, runs only a bounded policy (cache.py)
+    slots: list[int] = []
+    n = held
     for size in blocks:
         if fair and n:
             n = min(n, budget + 1 - size)

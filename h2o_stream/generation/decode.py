@@ -7,7 +7,7 @@ token goes in at each step. Everything else is transformers' (logits processors,
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -64,7 +64,7 @@ class Decoder:
     ):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
         self.stop_ids = set(stop_ids)
-        self.generator = generator if generator is not None else torch.Generator().manual_seed(sampling.seed)
+        self.generator = generator if generator is not None else sampling.new_generator()
         self.stop_strings = tuple(stop_strings)
         self.context_ids = list(context_ids)
         self.processors = logits_processors(sampling)
@@ -77,7 +77,7 @@ class Decoder:
         *,
         max_new_tokens: int | None = None,
         should_stop: Callable[[], bool] | None = None,
-    ) -> Iterator[str]:
+    ) -> Generator[str, None, Generation]:
         """Generate from `logits` (vocab,), the prediction after the prompt in `cache`, yielding text as it becomes
         final; returns the Generation (also `self.result`, which stays current if the stream is closed early).
         `should_stop()` is polled before every token; True ends the reply there ("cancelled")."""

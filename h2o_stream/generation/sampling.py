@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import secrets
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -63,6 +64,11 @@ class Sampling:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    def new_generator(self) -> torch.Generator:
+        """A torch.Generator seeded with `seed`: the same stream of draws for the same seed."""
+        assert self.seed is not None  # __post_init__ draws one when none is given
+        return torch.Generator().manual_seed(self.seed)
 
 
 def _check_number(name: str, value, ok, what: str) -> None:
@@ -129,7 +135,10 @@ def pick_token(
     any context). Scores are taken to CPU float32 first, so a seed draws the same tokens on any device."""
     scores = logits.detach().reshape(1, -1).to("cpu", torch.float32)
     if processors:
-        scores = processors(torch.tensor([seen], dtype=torch.long), scores)
+        # an int64 CPU tensor is a torch.LongTensor (isinstance agrees), which transformers' processors are
+        # annotated to take; torch.tensor is annotated to return a plain Tensor
+        seen_ids = cast(torch.LongTensor, torch.tensor([seen], dtype=torch.long))
+        scores = processors(seen_ids, scores)
     if sampling.greedy:
         return int(torch.argmax(scores, dim=-1))
     probs = torch.softmax(scores, dim=-1)

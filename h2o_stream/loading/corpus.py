@@ -134,7 +134,7 @@ def read_book(source: str | os.PathLike, book: int | str | None = None) -> tuple
     titles: list[str] = []
     for i, candidate in enumerate(iter_books(source)):
         titles.append(candidate.title)
-        if book is None or index is not None:
+        if key is None or index is not None:  # key is None exactly when book is
             if i == (index or 0):
                 chosen = (i, candidate)
             if index is not None and chosen is not None:

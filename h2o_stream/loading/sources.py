@@ -65,14 +65,17 @@ def from_gguf(path: Path, dtype: torch.dtype):
 
     # transformers looks `gguf_file` up relative to the working directory before the directory
     # argument, so a relative name could pick up a different file: pass the absolute path.
-    location = dict(pretrained_model_name_or_path=path.parent, gguf_file=str(path.resolve()))
+    gguf_file = str(path.resolve())
     try:
-        tokenizer = AutoTokenizer.from_pretrained(**location)
+        tokenizer = AutoTokenizer.from_pretrained(pretrained_model_name_or_path=path.parent, gguf_file=gguf_file)
         # dequantize=True gives plain nn.Linear layers and the usual attention: with the optional
         # `kernels` package installed, transformers would otherwise keep the weights packed and
         # swap in a GGML attention, which the KV-cache policies are not written for.
         model = AutoModelForCausalLM.from_pretrained(
-            **location, dtype=dtype, quantization_config=GgufConfig(dequantize=True)
+            pretrained_model_name_or_path=path.parent,
+            gguf_file=gguf_file,
+            dtype=dtype,
+            quantization_config=GgufConfig(dequantize=True),
         )
     except Exception as exc:  # the GGUF parser raises anything from ValueError to struct.error on a bad file
         raise _gguf_load_error(path, exc) from exc

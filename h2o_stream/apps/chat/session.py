@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from pathlib import Path
 
 import torch
@@ -94,7 +94,7 @@ class ChatSession:
         self.format: ChatFormat = chat_format(tokenizer, system)
         self.fingerprint = {**model_fingerprint(model), "name": self.model_name}
         self.cache = new_cache(model, policy if policy is not None else make_policy("h2o", DEFAULT_CACHE_SIZE), rolling)
-        self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        self.generator = self.sampling.new_generator()
         self._busy = False  # a turn is under way (its generator is suspended mid-reply)
         self._reset_counters()
 
@@ -220,13 +220,16 @@ class ChatSession:
         """`send` without streaming: the whole turn, then its TurnResult."""
         for _ in self.send(text, should_stop=should_stop, stop=stop):
             pass
+        assert self.last_turn is not None  # every turn that ends without raising sets it
         return self.last_turn
 
     def _check_idle(self, action: str) -> None:
         if self._busy:
             raise H2OStreamError(f"cannot {action} while a reply is being generated: finish or close it first")
 
-    def _turn(self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]) -> Iterator[str]:
+    def _turn(
+        self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]
+    ) -> Generator[str, None, TurnResult]:
         self._check_idle("start another turn")
         self._busy = True
         try:
@@ -234,7 +237,9 @@ class ChatSession:
         finally:
             self._busy = False
 
-    def _run_turn(self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]) -> Iterator[str]:
+    def _run_turn(
+        self, text: str, should_stop: Callable[[], bool], stop: tuple[str, ...]
+    ) -> Generator[str, None, TurnResult]:
         checkpoint = self._checkpoint()
         decoder = Decoder(
             self.model,
@@ -325,7 +330,7 @@ class ChatSession:
         """Forget the conversation (the system prompt and settings stay; the next turn starts a new chat)."""
         self._check_idle("reset the session")
         self.cache = new_cache(self.model, self.cache.policy, self.cache.rolling)
-        self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        self.generator = self.sampling.new_generator()
         self._reset_counters()
 
     def stats(self) -> dict:

@@ -28,7 +28,7 @@ from h2o_stream.version import __version__
 
 from .binding import portable_command
 from .interrupt import Interrupted, StopRequest
-from .progress import Bars
+from .progress import Bars, Progress
 from .rows import RunRows
 from .run import PerplexityRun
 
@@ -41,7 +41,7 @@ def execute(
     checkpoint_every: int,
     stop: StopRequest | None = None,
     name: str | None = None,
-    bars: Bars | None = None,
+    bars: Progress | None = None,
 ) -> None:
     """Feed `runs` (one, or several at the same stream position fed as the rows of one batch: `RunRows`) up to
     `tokens` stream tokens with a progress bar, checkpointing every `checkpoint_every` tokens and at the end, so that
@@ -76,7 +76,7 @@ def execute(
         last_checkpoint = feeder.position
 
     def checkpoint(_) -> None:
-        if stop is not None and stop.requested:
+        if stop is not None and stop.signum is not None:  # a stop was requested
             save()
             raise Interrupted(stop.signum, name or checkpoint_paths[0].stem, feeder.position)
         if feeder.position - last_checkpoint >= checkpoint_every:

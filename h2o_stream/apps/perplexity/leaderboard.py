@@ -134,9 +134,12 @@ def _row(result: dict, baselines: dict[str, dict]) -> dict:
     }
     for name in BASELINES:
         base = baselines.get(name)
-        same = base is not None and base["stream_sha256"] == result["stream_sha256"]
-        row[f"vs_{name}"] = result["ppl"] / base["ppl"] if same else None
-        row[f"vs_{name}_interval"] = ratio_interval(result, base) if same and base is not result else None
+        if base is not None and base["stream_sha256"] == result["stream_sha256"]:  # over the same tokens
+            row[f"vs_{name}"] = result["ppl"] / base["ppl"]
+            row[f"vs_{name}_interval"] = ratio_interval(result, base) if base is not result else None
+        else:
+            row[f"vs_{name}"] = None
+            row[f"vs_{name}_interval"] = None
     return row
 
 
@@ -263,8 +266,9 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
     on an axis zoomed to their gap would make a 1% difference look like a chasm)."""
     fig, ax = pyplot().subplots(figsize=(7, 4.5), layout="constrained")
     reference = [r for r in results if cache_size(r) is None]  # no eviction: a line across, not a contestant
-    results = [r for r in results if cache_size(r) is not None]
-    sizes = sorted({cache_size(r) for r in results})
+    sized = [(size, r) for r in results if (size := cache_size(r)) is not None]
+    results = [r for _, r in sized]
+    sizes = sorted({size for size, _ in sized})
     if len(sizes) == 1:
         runs = sorted(results, key=lambda r: r["ppl"])
         bars = ax.bar([run_label(r) for r in runs], [r["ppl"] for r in runs], color="#4c72b0")
@@ -273,8 +277,8 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
         ax.set_xlabel(f"policy, at cache size {sizes[0]} (entries per layer and KV head)")
     else:
         for policy, style in _styles(results).items():
-            runs = sorted((cache_size(r), r["ppl"]) for r in results if run_label(r) == policy)
-            ax.plot([s for s, _ in runs], [p for _, p in runs], style, marker="o", label=policy)
+            line = sorted((size, r["ppl"]) for size, r in sized if run_label(r) == policy)
+            ax.plot([s for s, _ in line], [p for _, p in line], style, marker="o", label=policy)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sizes, [str(s) for s in sizes])
         ax.set_xlabel("cache size (entries per layer and KV head)")
@@ -291,13 +295,13 @@ def _plot_ppl_vs_cache(results: list[dict], path: Path, title: str) -> None:
 def _plot_windowed(results: list[dict], path: Path, title: str) -> None:
     """PPL of consecutive windows of the stream (each window's own, not the running PPL), one panel per cache size;
     each panel says how long its windows are."""
-    sizes = sorted({cache_size(r) for r in results if cache_size(r) is not None})
+    sizes = sorted({size for r in results if (size := cache_size(r)) is not None})
     fig, axes = pyplot().subplots(
         1, max(len(sizes), 1), figsize=(4.5 * max(len(sizes), 1), 4), squeeze=False, layout="constrained"
     )
     styles = _styles(results)
     for ax, size in zip(axes[0], sizes, strict=False):  # one empty panel when there is no size
-        ends = set()
+        ends: set[int] = set()
         # each panel: that size's runs, and the reference (no eviction) in every panel
         for r in sorted((r for r in results if cache_size(r) in (size, None)), key=run_label):
             points = windowed(r["curve"])

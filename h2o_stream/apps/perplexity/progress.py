@@ -10,11 +10,20 @@ from __future__ import annotations
 
 import sys
 import time
+from typing import Protocol
 
 from tqdm import tqdm
 
 #: a worker sends a run's progress at most this often (and always at its end)
 SEND_EVERY_S = 0.5
+
+
+class Progress(Protocol):
+    """Where a run's progress goes: `Bars` (drawn here) or `SentBars` (sent to the process that draws them)."""
+
+    def update(self, name: str, position: int, total: int, postfix: str | None = None) -> None: ...
+
+    def finish(self, name: str) -> None: ...
 
 
 class Bars:
@@ -23,7 +32,8 @@ class Bars:
     others finish."""
 
     def __init__(self, *, leave: bool = True, file=None):
-        self.leave, self.file, self.bars = leave, file, {}
+        self.leave, self.file = leave, file
+        self.bars: dict[str, tqdm] = {}
 
     def update(self, name: str, position: int, total: int, postfix: str | None = None) -> None:
         """Run `name` is at stream token `position` of `total`; `postfix` (e.g. its running perplexity) follows."""
@@ -67,7 +77,8 @@ class SentBars:
     name)."""
 
     def __init__(self, events, index: int):
-        self.events, self.index, self.sent = events, index, {}
+        self.events, self.index = events, index
+        self.sent: dict[str, float] = {}  # run name -> when its progress was last sent (time.monotonic)
 
     def update(self, name: str, position: int, total: int, postfix: str | None = None) -> None:
         now = time.monotonic()

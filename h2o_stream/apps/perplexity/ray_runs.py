@@ -94,7 +94,7 @@ def run_on_ray(sweep, loading: dict, address: str, note=lambda text: None) -> li
         if started_here:
             ray.shutdown()
     results = write_reports(sweep.out)
-    if stop.requested:
+    if stop.signum is not None:  # a stop was requested
         raise Interrupted(stop.signum, None, None)
     if failures:
         raise H2OStreamError("; ".join(failures))

@@ -27,7 +27,7 @@ from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe
 from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan
 from .execution import execute, result_record, write
 from .interrupt import Interrupted, StopRequest
-from .progress import Bars
+from .progress import Progress
 from .report import check_comparable, plot_curves, results_in, title_of
 from .run import PerplexityRun
 from .stream import forward_span, skip_tokens_of
@@ -218,7 +218,7 @@ class Sweep:
         model_name: str,
         note: Callable[[str], None] = lambda text: None,
         stop: StopRequest | None = None,
-        bars: Bars | None = None,
+        bars: Progress | None = None,
         report: bool = True,
     ) -> list[dict]:
         """Every run in turn, or `rows` at a time as the rows of one batch (resumed from its checkpoint with
@@ -239,7 +239,7 @@ class Sweep:
             for name in group:
                 by_position.setdefault(starts[name].position, []).append(name)
             for names in by_position.values():
-                if stop is not None and stop.requested:
+                if stop is not None and stop.signum is not None:  # a stop was requested
                     raise Interrupted(stop.signum, None, None)
                 runs = [self._start(name, policies[name], new_run, starts[name], note) for name in names]
                 execute(
@@ -296,7 +296,7 @@ def run_share(
     loading: dict,
     stop: StopRequest | None = None,
     note: Callable[[str], None] = lambda text: None,
-    bars: Bars | None = None,
+    bars: Progress | None = None,
 ) -> None:
     """A worker's or a Ray task's share of `sweep`: load the model once with `loading` (load_model's keyword
     arguments) and run each group of runs (`Sweep.groups`) as a sweep of its own, files and all. The parent

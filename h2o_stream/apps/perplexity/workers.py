@@ -84,9 +84,10 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
         )
         failures, forwarded = [], False
         while any(process.is_alive() for process in processes) or not events.empty():
-            if stop.requested and not forwarded:
+            if stop.signum is not None and not forwarded:  # a stop was requested: pass it on
                 for process in processes:
                     if process.is_alive():
+                        assert process.pid is not None  # a started process has its pid
                         os.kill(process.pid, stop.signum)
                 forwarded = True
             try:
@@ -106,7 +107,7 @@ def run_in_workers(sweep, loading: dict, workers: int, note=lambda text: None) -
             process.join()
     crashed = [p.exitcode for p in processes if p.exitcode not in (0, None)]
     results = write_reports(sweep.out)  # over every run: the workers' own reports may have raced
-    if stop.requested:
+    if stop.signum is not None:  # a stop was requested
         raise Interrupted(stop.signum, None, None)
     if failures or crashed:
         raise H2OStreamError("; ".join(failures) or f"a worker died (exit status {crashed[0]}); rerun with --resume")

@@ -93,6 +93,7 @@ def create_app(service: Service) -> FastAPI:
         body = await _read_body(request, settings.limits)
         chat = parse_body(body, settings.limits)
         turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER))
+        assert service.worker is not None  # the lifespan starts the service before the app takes any request
         job = service.worker.submit(turn, asyncio.get_running_loop())
         try:
             kind, value = await _next_event(job, request)

@@ -12,7 +12,7 @@ import json
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 from h2o_stream.apps.chat.stats import TurnResult
@@ -64,7 +64,8 @@ class RemoteSession:
         """Start a new conversation (the old one stays on the server)."""
         self.conversation = uuid.uuid4().hex[:20]
         self.messages = [{"role": "system", "content": self.system}] if self.system else []
-        self.turns, self.generated_tokens, self.info = 0, 0, {}
+        self.turns, self.generated_tokens = 0, 0
+        self.info: dict = {}  # the server's account (its "h2o_stream" field) of the last turn
         self.last_turn: TurnResult | None = None
 
     def send(self, text: str, *, should_stop: Callable[[], bool] | None = None) -> Iterator[str]:
@@ -73,7 +74,7 @@ class RemoteSession:
             raise H2OStreamError("the message is empty")
         return self._turn(text, should_stop or (lambda: False))
 
-    def _turn(self, text: str, should_stop) -> Iterator[str]:
+    def _turn(self, text: str, should_stop: Callable[[], bool]) -> Generator[str, None, TurnResult]:
         s = self.sampling
         body = {
             "model": self.model,
@@ -87,7 +88,8 @@ class RemoteSession:
             "max_tokens": s.max_new_tokens,
             **({"seed": self.seed} if self.seed is not None else {}),
         }
-        reply, finish, usage = "", None, {}
+        reply, finish = "", None
+        usage: dict = {}
         with self._open("/chat/completions", body) as response:
             for raw in response:
                 if should_stop():
@@ -107,7 +109,8 @@ class RemoteSession:
                     finish = choice.get("finish_reason") or finish
                 self.info = event.get("h2o_stream") or self.info
                 usage = event.get("usage") or usage
-        reason = {"stop": "end", "length": "length"}.get(finish, "interrupted")
+        reasons: dict[str | None, str] = {"stop": "end", "length": "length"}
+        reason = reasons.get(finish, "interrupted")
         self.messages += [{"role": "user", "content": text}, {"role": "assistant", "content": reply}]
         self.turns += 1
         generated = usage.get("completion_tokens", 0)
@@ -118,6 +121,7 @@ class RemoteSession:
     def chat(self, text: str, **kwargs) -> TurnResult:
         for _ in self.send(text, **kwargs):
             pass
+        assert self.last_turn is not None  # set when the reply's stream ends, which the loop above waited for
         return self.last_turn
 
     def stats(self) -> dict:

@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,7 +25,7 @@ import torch
 from h2o_stream.apps.chat import chat_sampling
 from h2o_stream.errors import H2OStreamError, one_line
 
-from .conversations import Conversations, Plan
+from .conversations import Conversations, Plan, Source
 from .history import History
 from .protocol import FINISH_REASONS, ApiError, usage
 from .store import NotSaved
@@ -59,7 +60,7 @@ class Job:
     cancelled: bool = False
     finished: bool = False
     plan: Plan | None = None
-    steps: object = None  # the generator running the turn
+    steps: Generator[None, None, None] | None = None  # the generator running the turn
 
     def cancel(self) -> None:
         self.cancelled = True
@@ -160,13 +161,14 @@ class Worker:
                     self._pending.remove(job)
                 self._end(job, _api_error(error))
                 continue
-            job.steps = self._turn(job, *opened)
+            job.steps = self._turn(job, plan, *opened)
             self._active.append(job)
 
     def _step(self, job: Job) -> None:
         if job.cancelled:
             self._end(job, None)
             return
+        assert job.steps is not None  # a job is only made active (by _start_waiting) with its steps set
         try:
             next(job.steps)
         except StopIteration:
@@ -201,9 +203,9 @@ class Worker:
         with self._count_lock:
             self._count -= 1
 
-    def _turn(self, job: Job, session, source):
+    def _turn(self, job: Job, plan: Plan, session, source: Source) -> Generator[None, None, None]:
         """The turn's steps, as a generator: replayed exchanges, then the reply piece by piece, then the commit."""
-        request, plan = job.request, job.plan
+        request = job.request
         history = request.history
         replay = history.exchanges[source.start :]
         reused = session.cache.seen

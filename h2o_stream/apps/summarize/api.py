@@ -91,7 +91,7 @@ def summarize(
         section_tokens=section_tokens,
         section_max_new_tokens=section_max_new_tokens,
         section_instruction=section_instruction,
-        **parts,
+        parts=parts,
     )
     sampling = Sampling(
         temperature=temperature,

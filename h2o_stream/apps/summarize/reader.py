@@ -56,7 +56,7 @@ class Reader:
         self.chunk_size = positive_int("chunk_size", chunk_size)
         self.rolling = bool(rolling)
         self.sampling = sampling if sampling is not None else Sampling()
-        self.generator = torch.Generator().manual_seed(self.sampling.seed)
+        self.generator = self.sampling.new_generator()
         self.stops = stop_token_ids(tokenizer, model)
         config = model.config.get_text_config(decoder=True)
         self.context = getattr(config, "max_position_embeddings", None)
@@ -97,6 +97,7 @@ class Reader:
             self._observe(cache)
             if on_progress is not None:
                 on_progress(offset + piece.shape[1])
+        assert logits is not None, "nothing to read"  # answer() always reads at least the prompt's suffix
         self.run.tokens_fed += tensor.shape[1]
         self.run.read_seconds += time.perf_counter() - start
         return logits

@@ -35,11 +35,12 @@ def check_settings(
     section_max_new_tokens=DEFAULT_SECTION_MAX_NEW_TOKENS,
     section_instruction=DEFAULT_SECTION_INSTRUCTION,
     options: bool = False,
-    **parts,
+    parts: dict | None = None,
 ) -> tuple[str, int, str]:
     """Refuse bad settings with one clear message; (instruction, max_new_tokens, section_instruction) cleaned.
-    `parts`: the policy's budget parts, as `make_policy` takes them. `options`: name the settings as the command's
-    options (--max-new-tokens), not as summarize()'s arguments (max_new_tokens)."""
+    `parts`: the policy's budget parts and settings, as `make_policy` takes them (a dict, not keywords: a part
+    named `options` is then an unknown part, not this flag). `options`: name the settings as the command's options
+    (--max-new-tokens), not as summarize()'s arguments (max_new_tokens)."""
     name = option_name if options else str
     if strategy not in STRATEGIES:
         raise H2OStreamError(f"unknown strategy {strategy!r}: choose one of {', '.join(STRATEGIES)}")
@@ -51,7 +52,7 @@ def check_settings(
         if section_tokens is not None:
             positive_int(name("section_tokens"), section_tokens)
     if not policy_class(policy).needs_tokenizer:  # those that need one are built (and checked) by the Reader
-        make_policy(policy, cache_size, **parts)  # raises on a bad policy setting
+        make_policy(policy, cache_size, **(parts or {}))  # raises on a bad policy setting
     positive_int(name("chunk_size"), chunk_size)
     return instruction, max_new_tokens, section_instruction
 

@@ -23,7 +23,7 @@ The declaration is checked when its class is defined (validation.py); the scores
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:  # torch is imported where it is used: the registry loads without it (__init__.py)
     import torch
@@ -103,6 +103,8 @@ class EvictionPolicy:
     #: whether building the policy needs the model's tokenizer (`tokenizer_settings`)
     needs_tokenizer: ClassVar[bool] = False
     _part_names: ClassVar[tuple[str, ...]] = ()
+    #: made by @dataclass on every subclass (see the class docstring): `dataclasses.replace` rebuilds a policy
+    __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -111,6 +113,8 @@ class EvictionPolicy:
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
         if "keep" in cls.__dict__ and "ranking" not in cls.__dict__:
             cls.ranking = None  # a cut of its own
+        if cls.ranking is None and cls.keep is EvictionPolicy.keep:
+            raise H2OStreamError(f"{cls.__qualname__} ranks nothing (ranking None) and needs a `keep` of its own")
         check_declaration(cls)  # the rest of the declaration (validation.py)
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
@@ -187,7 +191,9 @@ class EvictionPolicy:
     @property
     def ranked_slots(self) -> int:
         """Slots filled by rank: the budget less the protected ends."""
-        return self.budget - self.protected_sinks - self.protected_recent
+        budget = self.budget
+        assert budget is not None, "an unbounded policy never cuts: nothing is ranked"
+        return budget - self.protected_sinks - self.protected_recent
 
     def for_layers(self, count: int) -> list[EvictionPolicy]:
         """The policy of each of `count` layers running this one, lowest first: itself in every layer, or with a
@@ -195,7 +201,7 @@ class EvictionPolicy:
         if self.layer_schedule is None or self.budget is None:
             return [self] * count
         (part,) = self._ranked_part_names()
-        budgets = pyramid_budgets(getattr(self, part), count, self.beta)
+        budgets = pyramid_budgets(getattr(self, part), count, self._whole_setting("beta"))
         if self.budget - getattr(self, part) + min(budgets) < 1:
             raise H2OStreamError(
                 f"{self.describe()} leaves its highest layer no slot at all; use a larger cache, a "
@@ -252,6 +258,13 @@ class EvictionPolicy:
         """A `Scores` number as declared: the number itself, or the value of the setting it names."""
         return getattr(self, declared) if isinstance(declared, str) else declared
 
+    def _whole_setting(self, name: str) -> int:
+        """The value of the whole-number setting `name`, one that the declaration has (validation.py: a schedule's,
+        a merge's)."""
+        value = getattr(self, name)
+        assert isinstance(value, int), f"{name} is a whole-number setting"  # Setting.check made it one
+        return value
+
     def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
         `received` as `score_heads` and `score_queries` say (weighted by `query_weights`); `steps` is the number of
@@ -281,6 +294,8 @@ class EvictionPolicy:
             # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
             n = positions.shape[-1]
             return torch.cat([first_slots(sinks, positions), last_slots(n, recent, positions)], dim=-1)
+        # ranking None: a `keep` of the policy's own replaces this one (__init_subclass__ refuses one without)
+        assert self.ranking is not None
         ranks = RANKERS[self.ranking](self, positions, scores, **extra)
         return keep_top(ranks, self.ranked_slots, sinks=sinks, recent=recent)
 
@@ -291,7 +306,8 @@ class EvictionPolicy:
         are merged into the entries after them (eviction "merge": policies/merging.py), in layer `layer`."""
         from .merging import merge_evicted
 
-        return merge_evicted(values, positions, scores, kept, span=self.merge_span, seed=self.merge_seed, layer=layer)
+        span, seed = self._whole_setting("merge_span"), self._whole_setting("merge_seed")
+        return merge_evicted(values, positions, scores, kept, span=span, seed=seed, layer=layer)
 
     def keep_twice(
         self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor
@@ -359,9 +375,10 @@ class EvictionPolicy:
         in declaration order), so that each keeps its role (h2o's heavy hitters, sepllm's separators) at any chunk
         size; the sinks give up slots only when nothing else is left. Settings and other fields stay as they are.
         """
-        if not 1 <= budget <= self.budget:
+        total = self.budget
+        if total is None or not 1 <= budget <= total:  # (an unbounded policy has no budget to reduce)
             raise H2OStreamError(f"{self.describe()} cannot be reduced to {budget} slots")
-        return dataclasses.replace(self, **shrink_parts(self.split(), self.budget - budget))
+        return dataclasses.replace(self, **shrink_parts(self.split(), total - budget))
 
     # -- description ----------------------------------------------------------------------------------------------
     def split(self) -> dict[str, int]:

@@ -177,7 +177,9 @@ def split_budget(parts: tuple[Part, ...], cache_size: int, given: dict[str, int]
             raise H2OStreamError(f"{shown} exceeds the cache size ({cache_size})")
         for part in missing:
             if part is not rest:
-                values[part.name] = min(part.default(cache_size), left)
+                default = part.default(cache_size)
+                assert default is not None  # only a rest part has none, and a policy has one at most (registry.py)
+                values[part.name] = min(default, left)
                 left -= values[part.name]
         values[rest.name] = left
     return {part.name: values[part.name] for part in parts}

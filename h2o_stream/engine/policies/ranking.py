@@ -16,6 +16,7 @@ returns the ranks of slots sinks .. n - recent - 1: (batch, kv_heads, n - sinks 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loads this module without it
@@ -71,7 +72,8 @@ def by_pooled(policy, positions, scores, **_):
     return pooled.view(batch, heads, m)
 
 
-RANKERS = {
+#: ranking name -> ranker(policy, positions, scores, **extra) -> ranks; each takes the extras its ranking needs
+RANKERS: dict[str, Callable[..., torch.Tensor]] = {
     "score": by_score,
     "mean": by_mean,
     "key_diversity": by_key_diversity,

@@ -18,6 +18,7 @@ rest heavy.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 from .base import EvictionPolicy, Part, Scores, Setting
 from .registry import register
@@ -36,7 +37,8 @@ class SnapKVPolicy(EvictionPolicy):
         Part("heavy", "slots for the highest pooled attention from the observation window"),
         Part("recent", "recent-window slots, the last entries", share=1 / 8),
     )
-    options = (
+    # the base's type, not this tuple's: pyramid adds a setting
+    options: ClassVar[tuple[Setting, ...]] = (
         Setting(
             "observation",
             "queries in the observation window (the latest ones; 0: as many as the recent "

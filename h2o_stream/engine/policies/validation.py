@@ -1,6 +1,7 @@
 """What a policy's declaration must say to make sense, checked once, when its class is defined
 (`EvictionPolicy.__init_subclass__`, base.py): the kinds of its declarations, a ranking that the scoring can feed,
-a layer schedule that has one ranked part to spread, and the settings Gumbel-regularised scores and merging read.
+a layer schedule that has one ranked part to spread, and the settings a schedule, Gumbel-regularised scores and
+merging read.
 Each refusal is one H2OStreamError naming the class. No torch here: the registry loads without it."""
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
 EVICTIONS = ("drop", "merge")
 #: the settings a policy that merges declares
 MERGE_SETTINGS = ("merge_span", "merge_seed")
+#: the settings a policy with a per-layer schedule declares, by schedule (`EvictionPolicy.layer_schedule`)
+SCHEDULE_SETTINGS = {"pyramid": ("beta",)}
 
 
 def check_declaration(cls) -> None:
@@ -29,9 +32,10 @@ def check_declaration(cls) -> None:
             f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
             f"`keep` of its own), not {cls.ranking!r}"
         )
-    if cls.ranking in ("score", "mean", "pooled") and cls.scoring is None:
-        raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
-    if cls.ranking == "mean" and cls.scoring.accumulate != "moments":
+    if cls.scoring is None:
+        if cls.ranking in ("score", "mean", "pooled"):
+            raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
+    elif cls.ranking == "mean" and cls.scoring.accumulate != "moments":
         raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
     if cls.layer_schedule is not None and (
         cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age") or len(cls._ranked_part_names()) != 1
@@ -39,6 +43,11 @@ def check_declaration(cls) -> None:
         raise H2OStreamError(
             f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
             "policy with a ranking and one ranked part"
+        )
+    if cls.layer_schedule is not None and not set(SCHEDULE_SETTINGS[cls.layer_schedule]) <= set(cls.option_names()):
+        raise H2OStreamError(
+            f"{cls.__qualname__} has a {cls.layer_schedule} schedule and needs the settings "
+            f"{', '.join(SCHEDULE_SETTINGS[cls.layer_schedule])}"
         )
     if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
         raise H2OStreamError(
