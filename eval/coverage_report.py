@@ -31,7 +31,10 @@ def per_package(files: dict[str, dict]) -> dict[str, dict[str, int]]:
     """Sum coverage.py's per-file summaries (its JSON report's `files`) by package."""
     totals: dict[str, dict[str, int]] = defaultdict(lambda: dict.fromkeys(FIELDS, 0))
     for path, entry in files.items():
-        summary, package = entry["summary"], totals[package_of(path)]
+        summary = entry["summary"]
+        if not summary["num_statements"]:  # an empty __init__.py: no package of its own
+            continue
+        package = totals[package_of(path)]
         package["statements"] += summary["num_statements"]
         package["covered_lines"] += summary["covered_lines"]
         package["branches"] += summary.get("num_branches", 0)

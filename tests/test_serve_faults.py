@@ -72,6 +72,22 @@ def test_sigkill_during_a_streamed_reply_then_restart_every_conversation_continu
         assert len(server.store.records) == 3
 
 
+def test_sigterm_stops_the_server_cleanly_and_its_conversations_are_kept(model_dir, tmp_path):
+    """SIGTERM (what a service manager sends) ends `h2o-stream serve` after a graceful shutdown: the turn it saved is
+    kept whole, and the process ends by the signal (uvicorn raises it again once shut down, so the exit says why)."""
+    process, url = serve_process(model_dir, tmp_path)
+    try:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0, timeout=60)
+        text, info = _talk(client, [], "hello")
+        assert info["how"] == "new"
+    finally:
+        process.send_signal(signal.SIGTERM)
+        status = process.wait(timeout=60)
+    assert status == -signal.SIGTERM
+    saved = list((tmp_path / "conversations").iterdir())
+    assert saved and not [p for p in saved if ".tmp" in p.name]
+
+
 def _fail_writes(monkeypatch):
     def full_disk(file, body):
         file.write(body[: len(body) // 3])

@@ -50,7 +50,8 @@ class RowsLayer(CacheLayerMixin):
         return max(row.seen for row in self.rows)
 
     def get_max_length(self) -> int:
-        return max(row.get_max_length() for row in self.rows)
+        lengths = [row.get_max_length() for row in self.rows]
+        return -1 if -1 in lengths else max(lengths)  # -1: no maximum (transformers' word), if any row has none
 
     def reset(self) -> None:
         for row in self.rows:

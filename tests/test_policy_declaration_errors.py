@@ -1,0 +1,239 @@
+"""The refusals of a policy declared wrongly, one clear H2OStreamError each: a policy class whose declaration makes
+no sense is refused when it is defined (`EvictionPolicy.__init_subclass__`, validation.py), one that cannot be named
+or whose names clash when it is registered (registry.py), and a part, setting or scores declaration that makes no
+sense when it is made (declarations.py). Only `register` adds to the registry; the bad classes here are refused
+before it would, and no test leaves anything in it (tests/policy_matrix.py iterates over every registered policy)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from h2o_stream import H2OStreamError, make_policy, register
+from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
+from h2o_stream.engine.policies.base import HEAVY, RECENT, SINKS, Scores, Setting, shrink_parts
+from h2o_stream.engine.policies.h2o import H2OPolicy
+
+#: the settings a policy that merges declares (validation.MERGE_SETTINGS)
+MERGE = (Setting("merge_span", "entries a merge spreads over", 4), Setting("merge_seed", "the coin's seed", 0))
+#: the settings a policy with Gumbel-regularised scores declares (validation.GUMBEL_SETTINGS)
+GUMBEL = (
+    Setting("tau_init", "first temperature", 1.0),
+    Setting("tau_end", "last temperature", 2.0),
+    Setting("tau_steps", "queries the temperature rises over", 10),
+    Setting("gumbel_seed", "the draws' seed", 0),
+)
+
+
+@pytest.fixture(autouse=True)
+def _registry_unchanged():
+    """Every policy registered before a test is registered after it, as the same class, and nothing more."""
+    before = dict(POLICIES)
+    yield
+    assert before == POLICIES
+
+
+# -- refused when the class is defined (validation.check_declaration) ---------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "bad_options",
+    [[Setting("alpha", "a", 0.5)], ("alpha",), (Setting("alpha", "a", 0.5), 0.5)],
+    ids=["a-list", "a-name", "a-number"],
+)
+def test_options_that_are_not_a_tuple_of_settings_are_refused(bad_options):
+    with pytest.raises(H2OStreamError, match=r"\bBadOptions\.options must be a tuple of Setting declarations$"):
+
+        class BadOptions(EvictionPolicy):
+            name = "bad-options"
+            parts = (RECENT,)
+            options = bad_options
+
+
+@pytest.mark.parametrize(
+    "declaration",
+    [
+        # a schedule that is not one
+        dict(parts=(HEAVY, RECENT), scoring=Scores(), ranking="score", layer_schedule="staircase"),
+        # ranked by age: nothing ranked to spread over the layers
+        dict(parts=(HEAVY, RECENT), ranking="age", layer_schedule="pyramid"),
+        # no ranked part at all
+        dict(parts=(SINKS, RECENT), scoring=Scores(), ranking="score", layer_schedule="pyramid"),
+        # two ranked parts: which one the schedule spreads is not said
+        dict(
+            parts=(HEAVY, Part("light", "l", fixed=2), RECENT),
+            scoring=Scores(),
+            ranking="score",
+            layer_schedule="pyramid",
+        ),
+    ],
+    ids=["unknown", "by-age", "no-ranked-part", "two-ranked-parts"],
+)
+def test_a_layer_schedule_without_one_ranked_part_to_spread_is_refused(declaration):
+    message = "Scheduled.layer_schedule must be one of pyramid, for a policy with a ranking and one ranked part"
+    with pytest.raises(H2OStreamError, match=f"^{re.escape(message)}$"):
+        type(
+            "Scheduled", (EvictionPolicy,), {"name": "scheduled", "options": (Setting("beta", "b", 20),), **declaration}
+        )
+
+
+def test_a_ranking_of_its_own_takes_no_layer_schedule():
+    """ranking None (a `keep` of its own) has nothing the engine could spread."""
+    with pytest.raises(H2OStreamError, match=r"\bOwnCut\.layer_schedule must be one of pyramid, for a policy with"):
+
+        class OwnCut(EvictionPolicy):
+            name = "own-cut"
+            parts = (HEAVY, RECENT)
+            options = (Setting("beta", "b", 20),)
+            layer_schedule = "pyramid"
+
+            def keep(self, positions, scores):
+                return positions
+
+
+@pytest.mark.parametrize("missing", [setting.name for setting in GUMBEL])
+def test_gumbel_scores_without_every_temperature_setting_are_refused(missing):
+    with pytest.raises(
+        H2OStreamError,
+        match=re.escape(
+            "Noisy has Gumbel-regularised scores and needs the settings tau_init, tau_end, tau_steps, gumbel_seed"
+        ),
+    ):
+
+        class Noisy(EvictionPolicy):
+            name = "noisy"
+            parts = (HEAVY, RECENT)
+            options = tuple(setting for setting in GUMBEL if setting.name != missing)
+            scoring = Scores(gumbel=True)
+            ranking = "score"
+
+
+@pytest.mark.parametrize("bad_eviction", ["evict", "Drop", None])
+def test_an_eviction_other_than_drop_or_merge_is_refused(bad_eviction):
+    with pytest.raises(H2OStreamError, match=r"\bEvicting\.eviction must be one of drop, merge$"):
+
+        class Evicting(EvictionPolicy):
+            name = "evicting"
+            parts = (RECENT,)
+            eviction = bad_eviction
+
+
+@pytest.mark.parametrize(
+    "its_scoring, its_ranking, its_options",
+    [
+        (None, "age", MERGE),  # nothing to merge by
+        (Scores(), "score", MERGE),  # summed, not the latest attention
+        (Scores("latest", heads="layer"), "score", MERGE),  # one decision per layer, not per KV head
+        (Scores("latest"), "score", MERGE[:1]),  # no merge_seed
+        (Scores("latest"), "score", MERGE[1:]),  # no merge_span
+    ],
+    ids=["no-scores", "summed", "per-layer", "no-seed", "no-span"],
+)
+def test_merging_without_the_latest_per_kv_head_scores_and_its_settings_is_refused(
+    its_scoring, its_ranking, its_options
+):
+    message = (
+        "Merging merges what it evicts and needs Scores('latest') per KV head and the settings merge_span, merge_seed"
+    )
+    with pytest.raises(H2OStreamError, match=rf"\b{re.escape(message)}$"):
+
+        class Merging(EvictionPolicy):
+            name = "merging"
+            parts = (HEAVY, RECENT)
+            eviction = "merge"
+            scoring = its_scoring
+            ranking = its_ranking
+            options = its_options
+
+
+def test_a_merging_declaration_with_all_it_needs_is_taken():
+    """The refusals above are about what is missing: the same class with all of it is a policy (not registered)."""
+
+    class Merging(EvictionPolicy):
+        name = "merging"
+        parts = (HEAVY, RECENT)
+        eviction = "merge"
+        scoring = Scores("latest")
+        ranking = "score"
+        options = MERGE
+
+    assert Merging.needs_scores and Merging.score_queries == "last" and "merging" not in POLICIES
+
+
+# -- refused when the class is registered (registry.register) -------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [None, "", 7], ids=["none", "empty", "a-number"])
+def test_a_policy_without_a_name_is_not_registered(name):
+    attributes = {"parts": (RECENT,)} if name is None else {"name": name, "parts": (RECENT,)}
+    nameless = type("Nameless", (EvictionPolicy,), attributes)  # a declaration that makes sense: defined
+    with pytest.raises(H2OStreamError, match=r"^Nameless needs a class attribute `name` to be registered$"):
+        register(nameless)
+    assert nameless not in POLICIES.values()
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        (Setting("recent", "a setting called as a part", 1.0),),
+        (Setting("alpha", "a", 0.5), Setting("alpha", "the same again", 0.9)),
+    ],
+    ids=["a-parts-name", "twice"],
+)
+def test_a_policy_whose_settings_clash_is_not_registered(options):
+    clashing = type("Clashing", (EvictionPolicy,), {"name": "clashing", "parts": (HEAVY, RECENT), "options": options})
+    with pytest.raises(H2OStreamError, match=r"^Clashing\.options need distinct names, none of them a part's$"):
+        register(clashing)
+    assert "clashing" not in POLICIES
+
+
+# -- refused when the declaration is made (declarations.py) ---------------------------------------------------------
+
+
+def test_a_part_with_both_a_fixed_and_a_shared_default_is_refused():
+    with pytest.raises(H2OStreamError, match=r"^part 'heavy' has both a fixed and a shared default; give one$"):
+        Part("heavy", "h", fixed=4, share=0.5)
+
+
+def test_only_the_rest_part_has_no_default_of_its_own():
+    """A rest part's default is decided by the others (`split_budget`): none of its own, in words the remainder."""
+    assert RECENT.is_rest and RECENT.default(16) is None
+    assert RECENT.default_text == "the cache size minus the other parts"
+    assert (HEAVY.default(15), SINKS.default(15)) == (7, 4)
+
+
+@pytest.mark.parametrize("name", ["two words", "", "1st", "beta-2"])
+def test_a_setting_needs_a_name_usable_as_an_argument(name):
+    with pytest.raises(
+        H2OStreamError, match=f"^a policy setting needs a name usable as an argument, got {re.escape(repr(name))}$"
+    ):
+        Setting(name, "x", 1.0)
+
+
+@pytest.mark.parametrize("window", [0, ""], ids=["zero", "no-setting"])
+def test_window_scores_need_the_windows_length(window):
+    with pytest.raises(H2OStreamError, match=r"^window scores need the window's length \(a number or a setting's"):
+        Scores("window", window=window)
+    assert Scores("window", window=8).window == 8 and Scores("window", window="observed").window == "observed"
+
+
+@pytest.mark.parametrize("heavy", [2.5, "3", True, None], ids=["float", "text", "bool", "none"])
+def test_a_part_that_is_not_an_integer_is_refused(heavy):
+    with pytest.raises(H2OStreamError, match=f"^heavy must be an integer, got {re.escape(repr(heavy))}$"):
+        H2OPolicy(heavy=heavy, recent=8)
+
+
+def test_make_policy_refuses_a_part_that_is_not_an_integer():
+    with pytest.raises(H2OStreamError, match=r"^heavy must be an integer, got 2\.5$"):
+        make_policy("h2o", 16, heavy=2.5)
+    with pytest.raises(H2OStreamError, match=r"^cache size must be an integer, got '16'$"):
+        make_policy("h2o", "16")
+
+
+def test_shrinking_every_part_to_nothing_without_sinks_leaves_them_all_empty():
+    """`shrink_parts` with a cut of everything there is, for parts without sinks: each part empty. (Unreached by
+    `EvictionPolicy.reduced`, which keeps a budget >= 1: with no sinks the cut is always less than the parts.)"""
+    assert shrink_parts({"heavy": 3, "recent": 5}, 8) == {"heavy": 0, "recent": 0}
+    # with sinks, they give up what the others could not
+    assert shrink_parts({"sinks": 4, "recent": 5}, 7) == {"sinks": 2, "recent": 0}
