@@ -10,18 +10,8 @@ import torch
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine import RowsCache
 from h2o_stream.engine.feed import feed
+from test_engine_misuse import assert_untouched, snapshot
 from tiny_models import VOCAB, random_ids, tiny_model
-
-
-def snapshot(cache: StreamingCache) -> list[dict]:
-    return [layer.state() for layer in cache.layers]
-
-
-def assert_untouched(cache: StreamingCache, before: list[dict]) -> None:
-    for layer, state in zip(cache.layers, before, strict=True):
-        for key, value in layer.state().items():
-            same = torch.equal(value, state[key]) if isinstance(value, torch.Tensor) else value == state[key]
-            assert same, key
 
 
 def two_rows(model) -> tuple[RowsCache, list[StreamingCache]]:
