@@ -42,6 +42,11 @@ def per_package(files: dict[str, dict]) -> dict[str, dict[str, int]]:
     return dict(sorted(totals.items()))
 
 
+def total_of(packages: dict[str, dict[str, int]]) -> dict[str, int]:
+    """The counts of all `packages` together."""
+    return {field: sum(p[field] for p in packages.values()) for field in FIELDS}
+
+
 def percent(counts: dict[str, int]) -> float:
     """Lines and branches together, as coverage.py counts its total: covered / (statements + branches)."""
     whole = counts["statements"] + counts["branches"]
@@ -70,7 +75,7 @@ def read_report(data_file: Path) -> dict[str, dict]:
 
 def lines_of(packages: dict[str, dict[str, int]]) -> list[str]:
     """The table printed: package, lines covered, branches covered, the figure."""
-    total = {field: sum(p[field] for p in packages.values()) for field in FIELDS}
+    total = total_of(packages)
     rows = [(name, p) for name, p in packages.items()] + [("total", total)]
     width = max(len(name) for name, _ in rows)
     return [
@@ -112,7 +117,7 @@ def coverage(data_file: Path, out: Path | None) -> None:
             {
                 "benchmark": "coverage",
                 "packages": packages,
-                "total": {f: sum(p[f] for p in packages.values()) for f in FIELDS},
+                "total": total_of(packages),
                 "measured_with": "python -m pytest -q --cov (the README's test command, measured)",
                 "coverage_py": coverage_py.__version__,
                 "command": command_line(),
