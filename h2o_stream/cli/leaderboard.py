@@ -13,6 +13,7 @@ from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
 
 from .options import (
+    books_options,
     cache_options,
     checkpoint_option,
     command_argv,
@@ -35,6 +36,7 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts)
 @cache_options(BOUNDED, "128,256,512", multiple=True)
 @click.option("--tokens", type=click.IntRange(min=2), default=250_000, show_default=True, help="Stream tokens per run.")
 @data_option
+@books_options
 @click.option(
     "--out",
     "out_dir",
@@ -60,6 +62,8 @@ def leaderboard(
     no_rolling,
     tokens,
     data,
+    books,
+    book_tokens,
     out_dir,
     checkpoint_every,
     workers,
@@ -103,6 +107,8 @@ def leaderboard(
             data,
             tokens,
             rolling=not no_rolling,
+            books=books,
+            book_tokens=book_tokens,
             checkpoint_every=checkpoint_every,
             resume=True,
             command=shlex.join(argv),

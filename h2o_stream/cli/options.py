@@ -43,6 +43,45 @@ data_option = click.option(
     "columns) or .txt (also gzipped), or a directory. Default: PG-19 test split from the Hugging Face Hub.",
 )
 
+
+class BooksType(click.ParamType):
+    """Book indices and ranges of them, e.g. 1-20 or 0,3,5-7 (see `loading.corpus.parse_books`)."""
+
+    name = "INDICES"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        from h2o_stream.loading.corpus import parse_books
+
+        try:
+            return parse_books(str(value))
+        except H2OStreamError as error:
+            self.fail(str(error).removeprefix(f"--books {str(value)!r}: "), param, ctx)
+
+
+def books_options(command):
+    """--books and --book-tokens, for the commands that stream a corpus (ppl, leaderboard): which books the stream
+    reads and how much of each."""
+    options = [
+        click.option(
+            "--books",
+            type=BooksType(),
+            default=None,
+            help="Read only these books of --data, by index from 0 in its order: e.g. 1-20 or 0,3,5-7 (default: "
+            "all). Choose settings on some books and report on others.",
+        ),
+        click.option(
+            "--book-tokens",
+            type=click.IntRange(min=1),
+            default=None,
+            metavar="N",
+            help="Read only the first N tokens of each book (default: whole books): a stream that samples many books.",
+        ),
+    ]
+    return _apply(options, command)
+
+
 #: --checkpoint-every, for the commands that run resumable perplexity runs
 checkpoint_option = click.option(
     "--checkpoint-every",

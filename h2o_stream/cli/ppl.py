@@ -15,6 +15,7 @@ from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.errors import H2OStreamError
 
 from .options import (
+    books_options,
     cache_options,
     checkpoint_option,
     command_argv,
@@ -62,6 +63,7 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
 )
 @click.option("--tokens", type=int, default=100_000, show_default=True, help="Stream tokens to evaluate per run.")
 @data_option
+@books_options
 @click.option("--skip-tokens", type=click.IntRange(min=0), default=0, help="Start this far into the stream.")
 @click.option("--reset-per-book", is_flag=True, help="Empty the cache at each book instead of carrying it over.")
 @click.option(
@@ -105,6 +107,8 @@ def ppl(
     wide_chunks,
     tokens,
     data,
+    books,
+    book_tokens,
     skip_tokens,
     reset_per_book,
     out_dir,
@@ -149,6 +153,8 @@ def ppl(
         wide_chunks=wide_chunks,
         reset_per_book=reset_per_book,
         skip_tokens=skip_tokens,
+        books=books,
+        book_tokens=book_tokens,
         checkpoint_every=checkpoint_every,
         curve_every=curve_every,
         resume=resume,

@@ -2,7 +2,8 @@
 Hub, or a local corpus (.jsonl or .jsonl.gz with PG-19 columns, .parquet, UTF-8 text, a directory of them).
 
 Everything is lazy: `iter_books` is a generator that holds one book at a time, so a corpus larger than memory
-streams fine. `read_book` picks one book (by index or title) for commands that read a single document. Bad input
+streams fine. `read_book` picks one book (by index or title) for commands that read a single document;
+`parse_books` reads a selection of books by index (--books). Bad input
 raises `H2OStreamError` with one line saying what is wrong and what to do. This module picks the source and the
 files; corpus_files.py reads each file (jsonl, parquet, text, gzipped or not) as books.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError, one_line
@@ -162,6 +163,37 @@ def read_book(source: str | os.PathLike, book: int | str | None = None) -> tuple
     if not chosen[1].text.strip():
         raise H2OStreamError(f"book {chosen[0]} ({chosen[1].title!r}) of {label} is empty: it has no text")
     return chosen
+
+
+# --- a selection of books ------------------------------------------------------------------------------------
+
+
+def parse_books(text: str) -> tuple[int, ...]:
+    """Book indices from a list of indices and ranges, e.g. "1-20" or "0,3,5-7" (0-based, as `--book` counts them),
+    sorted, each once; H2OStreamError for anything else."""
+    indices: set[int] = set()
+    for item in text.replace(" ", "").split(","):
+        first, dash, last = item.partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()):
+            raise H2OStreamError(
+                f"--books {text!r}: {item!r} is not a book index or a range of them (e.g. 0,3,5-7; indices from 0)"
+            )
+        low, high = int(first), int(last) if dash else int(first)
+        if high < low:
+            raise H2OStreamError(f"--books {text!r}: the range {item!r} ends before it starts")
+        indices.update(range(low, high + 1))
+    return tuple(sorted(indices))
+
+
+def books_text(books: Iterable[int]) -> str:
+    """Book indices written as `parse_books` reads them, ranges joined: (1, 2, 3, 7) -> "1-3,7"."""
+    runs: list[list[int]] = []
+    for index in sorted(set(books)):
+        if runs and index == runs[-1][1] + 1:
+            runs[-1][1] = index
+        else:
+            runs.append([index, index])
+    return ",".join(str(low) if low == high else f"{low}-{high}" for low, high in runs)
 
 
 # --- the Hub ----------------------------------------------------------------------------------------------------

@@ -75,7 +75,9 @@ def about(results: list[dict], today: datetime.date | None = None) -> dict:
 
     finished = sorted(each(lambda r: r.get("finished")))
     commands = collections.Counter(c for r in results if isinstance(c := r.get("command"), str))
+    selection = each(lambda r: stream_selection(r["settings"]))
     return {
+        **({"selection": selection} if any(selection) else {}),  # only boards over chosen books say so
         "runs": len(results),
         "model": each(lambda r: r["settings"].get("model")),
         "corpus": each(lambda r: r["settings"].get("data")),
@@ -90,6 +92,13 @@ def about(results: list[dict], today: datetime.date | None = None) -> dict:
     }
 
 
+def stream_selection(settings: dict) -> str:
+    """The part of the corpus a run read, in words ('' for all of it): 'books 1-20, the first 1,000 tokens of each'."""
+    books, cut = settings.get("books"), settings.get("book_tokens")
+    words = [f"books {books}" if books else "", f"the first {cut:,} tokens of each book" if cut else ""]
+    return ", ".join(word for word in words if word)
+
+
 def heading(about: dict) -> list[str]:
     """The Markdown lines above the table: model, corpus with its sha256, tokens and date. Not the commands: they
     name the corpus by its path on the machine that ran them (leaderboard.json and the run files keep them)."""
@@ -98,6 +107,7 @@ def heading(about: dict) -> list[str]:
         return "; ".join(show(v) for v in values) or "not recorded"
 
     corpus = listed(about["corpus"])
+    read = [f"read: {listed(about['selection'], lambda s: s or 'all of it')}"] if about.get("selection") else []
     identity = [
         *(f"sha256 {digest[:12]}…" for digest in about["corpus_sha256"]),
         *(f"{size:,} bytes" for size in about["corpus_bytes"]),
@@ -112,7 +122,7 @@ def heading(about: dict) -> list[str]:
         f"## Leaderboard: {listed(about['model'])} on {corpus}",
         "",
         f"- Model: {listed(about['model'])}",
-        f"- Corpus: {', '.join([corpus, *identity])}",
+        f"- Corpus: {', '.join([corpus, *identity, *read])}",
         f"- Tokens: {listed(about['requested_tokens'], lambda n: f'{n:,}')} stream tokens per run, of which "
         f"{listed(about['predicted_tokens'], lambda n: f'{n:,}')} predicted (the stream's first token, or each "
         "book's with --reset-per-book, has nothing before it to be predicted from)",

@@ -23,9 +23,10 @@ LINE_STYLES = ("-", "--", ":", "-.")
 #: files written beside the run results in a directory (reports over them: `ppl`'s, `leaderboard`'s and the long-run
 #: report of `python -m eval long report`), never read as results, so that more runs can join a reported folder
 REPORT_FILES = ("summary.json", "leaderboard.json", "report.json")
-#: what two runs must share for their perplexities to be compared: the same tokens (the corpus's text, where the
-#: stream starts, whether the cache empties at each book) through the same weights in the same dtype and positions
-STREAM_SETTINGS = ("model_weights", "dtype", "rolling", "skip_tokens", "reset_per_book")
+#: what two runs must share for their perplexities to be compared: the same tokens (the corpus's text, the books read
+#: and how much of each, where the stream starts, whether the cache empties at each book) through the same weights in
+#: the same dtype and positions
+STREAM_SETTINGS = ("model_weights", "dtype", "rolling", "skip_tokens", "books", "book_tokens", "reset_per_book")
 
 
 def results_in(directory: str | os.PathLike) -> list[dict]:

@@ -50,6 +50,8 @@ class Settings(BaseModel):
     reset_per_book: bool = False
     wide_chunks: bool = False
     skip_tokens: Count = 0
+    books: str | None = Field(None, pattern=r"^\d+(-\d+)?(,\d+(-\d+)?)*$", max_length=10_000)  # --books, as given
+    book_tokens: Positive | None = None
     data: str
     data_sha256: str | None = None
 

@@ -1,15 +1,16 @@
 """The token stream of a perplexity run: its (book index, token ids) pieces, where its forwards are cut, and the NLL of
 every token.
 
-`token_pieces` turns ids, a text or texts/Books into pieces and `skip_tokens_of` drops the stream's first tokens (those
-a resumed run already fed). `feed_stream` cuts the pieces into forwards at multiples of the span (tokens per forward;
-`forward_span`, `default_span`) of the stream position alone, so a resumed run makes exactly the forwards of an
+`token_pieces` turns ids, a text or texts/Books into pieces, `select_books` keeps some books (or each book's first
+tokens; `loading.corpus.parse_books` reads the --books list) and `skip_tokens_of` drops the stream's first tokens
+(those a resumed run already fed). `feed_stream` cuts the pieces into forwards at multiples of the span (tokens per
+forward; `forward_span`, `default_span`) of the stream position alone, so a resumed run makes exactly the forwards of an
 uninterrupted one. `token_nll` is the per-token negative log-likelihood a run accumulates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Collection, Iterable, Iterator
 
 import torch
 
@@ -57,6 +58,16 @@ def feed_stream(
                 on_progress(run, piece.numel())
             if checkpoint is not None and not cut_short:
                 checkpoint(run)
+
+
+def select_books(
+    pieces: Iterable[tuple[int, torch.Tensor]], books: Collection[int] | None = None, book_tokens: int | None = None
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The pieces of the books whose index is in `books` (None: every book), each cut to its first `book_tokens` tokens
+    (None: whole): a stream over many books without reading each to its end, or over books apart from another's."""
+    for index, ids in pieces:
+        if books is None or index in books:
+            yield index, ids if book_tokens is None else ids[:book_tokens]
 
 
 def skip_tokens_of(pieces: Iterable[tuple[int, torch.Tensor]], count: int) -> Iterator[tuple[int, torch.Tensor]]:

@@ -22,7 +22,7 @@ import torch
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, make_policy, policy_class, register
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import write_json
-from h2o_stream.loading.corpus import book_token_ids, corpus_directory, describe_source, iter_books
+from h2o_stream.loading.corpus import book_token_ids, books_text, corpus_directory, describe_source, iter_books
 
 from .binding import Plan, check_stream, corpus_settings, data_path, model_fingerprint, plan
 from .execution import execute, result_record, write
@@ -30,7 +30,7 @@ from .interrupt import Interrupted, StopRequest
 from .progress import Progress
 from .report import check_comparable, plot_curves, results_in, title_of
 from .run import PerplexityRun
-from .stream import forward_span, skip_tokens_of
+from .stream import forward_span, select_books, skip_tokens_of
 
 REPORTS = ("ppl.png", "summary.json")
 
@@ -103,6 +103,8 @@ class Sweep:
     wide_chunks: bool = False
     reset_per_book: bool = False
     skip_tokens: int = 0
+    books: tuple[int, ...] | None = None  # the corpus's books to read (their indices); None: every book
+    book_tokens: int | None = None  # read each book's first this many tokens only; None: whole books
     checkpoint_every: int = 50_000
     curve_every: int = 1000
     resume: bool = False
@@ -124,6 +126,7 @@ class Sweep:
             "data": source,
             **corpus_settings(self.data),
             "skip_tokens": self.skip_tokens,
+            **self.selection(),
             "curve_every": self.curve_every,
         }
 
@@ -187,13 +190,35 @@ class Sweep:
                 f"--out {out} is inside the corpus --data {self.data}: the results written there "
                 "would be read as books of the corpus; choose an --out outside it"
             )
-        if next(iter_books(self.data), None) is None:
+        if self.book_tokens is not None and self.book_tokens < 1:
+            raise H2OStreamError(f"--book-tokens must be at least 1, got {self.book_tokens}")
+        if self.books is not None and not self.books:
+            raise H2OStreamError("--books names no book")
+        books = iter_books(self.data)
+        count = sum(1 for _ in books) if self.books else int(next(books, None) is not None)
+        if not count:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
+        missing = [index for index in self.books or () if index >= count]
+        if missing:
+            held = f"{count} books, indices 0-{count - 1}" if count > 1 else "1 book, index 0"
+            raise H2OStreamError(
+                f"--books {books_text(self.books)}: {describe_source(self.data)} has no book {missing[0]} ({held})"
+            )
+
+    def selection(self) -> dict:
+        """The settings of --books and --book-tokens when given (a run without them records neither, as before)."""
+        chosen = {"books": None if self.books is None else books_text(self.books), "book_tokens": self.book_tokens}
+        return {key: value for key, value in chosen.items() if value is not None}
 
     def pieces(self, tokenizer):
-        """The stream as (book index, token ids) pieces, after --skip-tokens."""
-        books = ((i, torch.tensor(book_token_ids(b, tokenizer))) for i, b in enumerate(iter_books(self.data)))
-        return skip_tokens_of(books, self.skip_tokens)
+        """The stream as (book index, token ids) pieces: the --books chosen, each cut to --book-tokens, after
+        --skip-tokens."""
+        books = (
+            (i, torch.tensor(book_token_ids(b, tokenizer)))
+            for i, b in enumerate(iter_books(self.data))
+            if self.books is None or i in self.books  # a book left out is not tokenized
+        )
+        return skip_tokens_of(select_books(books, self.books, self.book_tokens), self.skip_tokens)
 
     def groups(self) -> list[list[str]]:
         """The run names in groups that may ride as the rows of one batch: up to `rows` runs with the same span
@@ -286,7 +311,14 @@ class Sweep:
         result["rows"] = rows
         result["run"] = name  # a swept part's value is in the name only (report.run_label)
         if result["corpus_exhausted"]:
-            note(f"   {name}: the corpus has only {run.position:,} tokens after --skip-tokens; evaluated those")
+            picked = self.selection()
+            stream = (
+                "the corpus"
+                if not picked
+                else "the stream of "
+                + " cut to ".join(f"--{key.replace('_', '-')} {value}" for key, value in picked.items())
+            )
+            note(f"   {name}: {stream} has only {run.position:,} tokens after --skip-tokens; evaluated those")
         write(Path(self.out) / f"{name}.json", lambda path: write_json(path, result))
 
 
