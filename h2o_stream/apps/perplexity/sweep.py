@@ -198,11 +198,12 @@ class Sweep:
         count = sum(1 for _ in books) if self.books else int(next(books, None) is not None)
         if not count:
             raise H2OStreamError(f"{describe_source(self.data)} holds no books")
-        missing = [index for index in self.books or () if index >= count]
+        chosen = self.books or ()
+        missing = [index for index in chosen if index >= count]
         if missing:
             held = f"{count} books, indices 0-{count - 1}" if count > 1 else "1 book, index 0"
             raise H2OStreamError(
-                f"--books {books_text(self.books)}: {describe_source(self.data)} has no book {missing[0]} ({held})"
+                f"--books {books_text(chosen)}: {describe_source(self.data)} has no book {missing[0]} ({held})"
             )
 
     def selection(self) -> dict:
