@@ -27,6 +27,7 @@ SUITES = {
     "serve": "eval.serve_load:serve",
     "attention": "eval.attention:attention",
     "seam": "eval.seam:seam",
+    "split": "eval.split:split",
     "coverage": "eval.coverage_report:coverage",
 }
 SUMMARIES = {
@@ -39,6 +40,7 @@ SUMMARIES = {
     "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
     "attention": "Attention mass on sinks, the recent window and older keys, per layer, per model.",
     "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
+    "split": "The heavy-hitter share of h2o and h2o_sinks, chosen on some books, reported on others.",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
     "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",

@@ -353,6 +353,14 @@ LONG_RUNS = {
         ],
         100_000,
     ),
+    "fair_gemma3": (
+        "long_fair_gemma3",
+        [
+            ["--model", "gemma3-270m", "--cache-size", "256", "--policy", "sink,h2o,cam,sepllm"]
+            + ["--tokens", "1048576", "--checkpoint-every", "10000"],
+        ],
+        100_000,
+    ),
     "4m": ("long_4m", [["--cache-size", "256", "--policy", "sink,h2o", "--tokens", "4000000"]], 200_000),
 }
 data_required = click.option("--data", required=True, help="The corpus (the committed runs: gutenberg_pre1919.jsonl).")

@@ -13,6 +13,7 @@ from pathlib import Path
 from eval.attention import models_section
 from eval.common import BadInput, scrub_command
 from eval.serve_load import serve_section
+from eval.split import split_section
 from h2o_stream.apps.perplexity.leaderboard import ratio_text
 
 PAGE = Path("docs/results.md")
@@ -632,6 +633,7 @@ def soak_section(res: Results, page: Path) -> list[str]:
 SECTIONS = (
     leaderboard_section,
     models_section,
+    split_section,
     long_section,
     quality_section,
     speed_section,

@@ -22,7 +22,16 @@ from tiny_models import save_tiny_model_dir
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "eval" / "results"
 #: the folders of `h2o-stream ppl` / `leaderboard` run files, whose provenance the library itself writes
-RUN_FILES = ("leaderboard", "leaderboard_gemma3", "long_4m", "long_fair", "quality/runs")
+RUN_FILES = (
+    "leaderboard",
+    "leaderboard_gemma3",
+    "long_4m",
+    "long_fair",
+    "long_fair_gemma3",
+    "quality/runs",
+    "split/smollm2",
+    "split/gemma3-270m",
+)
 
 
 def shape(value, free: frozenset = frozenset()):
