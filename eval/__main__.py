@@ -28,6 +28,7 @@ SUITES = {
     "attention": "eval.attention:attention",
     "seam": "eval.seam:seam",
     "split": "eval.split:split",
+    "profile": "eval.profile:profile",
     "coverage": "eval.coverage_report:coverage",
 }
 SUMMARIES = {
@@ -41,6 +42,7 @@ SUMMARIES = {
     "attention": "Attention mass on sinks, the recent window and older keys, per layer, per model.",
     "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
     "split": "The heavy-hitter share of h2o and h2o_sinks, chosen on some books, reported on others.",
+    "profile": "Where fair chunks spend the time their raw twin does not, operator by operator (torch profiler).",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
     "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",

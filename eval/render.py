@@ -98,6 +98,44 @@ def models(res: Results) -> list[str]:
     return lines[:-1]
 
 
+def split(res: Results) -> list[str]:
+    """In words, per model: the heavy-hitter share chosen on some books and what it gives on the report stream."""
+    report = res.get("split/split.json")
+    if not report:
+        return missing("split/split.json", "python -m eval split figure")
+    choose = report["choose"]
+
+    def share(heavy: int) -> str:
+        return "none" if heavy == 0 else f"1/{report['cache_size'] // heavy} ({heavy} slots)"
+
+    said = []
+    for model in report["models"].values():
+        parts = []
+        for policy, held in model["report"]["policies"].items():
+            low, high = held["interval"] or (None, None)
+            spread = f" (95% interval {num(low, 3)}–{num(high, 3)})" if low is not None else ""
+            against_half = (
+                f", {pct(held['vs_half_share'] - 1)} against its default share of 1/2"
+                if held["heavy"] != report["cache_size"] // 2
+                else " (its default)"
+            )
+            parts.append(
+                f"{policy} heavy share {share(held['heavy'])}: PPL {num(held['ppl'], 2)}, "
+                f"{num(held['vs_sink'], 3)}x sink's {num(model['report']['sink_ppl'], 2)}{spread}{against_half}"
+            )
+        if parts:
+            said.append(f"on {model['model']}, " + "; ".join(parts))
+    if not said:
+        return missing("split/MODEL/report/", "python -m eval split report --data CORPUS")
+    return [
+        f"**Does another heavy-hitter share rescue H2O?** Chosen at cache {report['cache_size']} on books "
+        f"{choose['books']} (the first {choose['book_tokens']:,} tokens of each) and reported on the leaderboard's "
+        f"stream: " + "; ".join(said) + ".",
+        "",
+        source(res, "split/split.json", command="python -m eval split"),
+    ]
+
+
 def long(res: Results) -> list[str]:
     """The 4M table."""
     report = res.get("long_4m/report.json")
@@ -218,6 +256,7 @@ BLOCKS = {
     "headline": headline,
     "leaderboard": leaderboard,
     "models": models,
+    "split": split,
     "long": long,
     "speed": speed,
     "first_run": first_run,

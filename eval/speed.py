@@ -364,19 +364,29 @@ def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads
 
 
 @torch.no_grad()
-def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
-    """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
-    Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
-    each round's own pair)."""
-    model, prefix, timed = loaded.model, stream[:cache_size], stream[cache_size:]
-    policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+def twin_caches(model, policy, stream: torch.Tensor) -> tuple[dict, int, int]:
+    """({"policy": a StreamingCache, "raw": its raw twin}, the policy's fair chunk, what the twin holds), both fed the
+    stream's first `policy.budget` tokens in that chunk: the twin (a DynamicCache, cropped after each timed forward)
+    holds what the policy's cache holds before a chunk, so that each forward of one equals one of the other in keys
+    (a band policy holds its budget, a ranked one its budget + 1 - chunk)."""
+    cache_size = policy.budget
     chunk = default_chunk_size(policy)
     held = cache_size if policy.band() is not None else cache_size + 1 - chunk
     caches = {"policy": StreamingCache(model, policy), "raw": DynamicCache(config=model.config)}
     for cache in caches.values():
         for start in range(0, cache_size, chunk):
-            model(prefix[start : start + chunk].unsqueeze(0), cache=cache)
+            model(stream[start : min(start + chunk, cache_size)].unsqueeze(0), cache=cache)
     caches["raw"].crop(held - cache_size)  # negative: drop the newest cache_size - held entries
+    return caches, chunk, held
+
+
+@torch.no_grad()
+def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
+    """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
+    Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
+    each round's own pair)."""
+    model, timed = loaded.model, stream[cache_size:]
+    caches, chunk, held = twin_caches(model, make_policy(name, cache_size, tokenizer=loaded.tokenizer), stream)
     caches["raw_inference"] = copy.deepcopy(caches["raw"])
 
     def step(who):

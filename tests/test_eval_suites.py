@@ -445,3 +445,21 @@ def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too
             ]
         )
     assert done.value.code == 2 and not (tmp_path / "no.json").exists()
+
+
+def test_profile_splits_what_fair_chunks_add_to_their_twin_by_operator(tiny, tmp_path):
+    out = tmp_path / "profile"
+    suite("profile", "--model", tiny, "--policies", "sink,snapkv", "--cache-size", "64", "--rounds", "2",
+          "--round-tokens", "32", "--out", str(out))  # fmt: skip
+    written = written_json(out.with_suffix(".json"))
+    assert list(written["policies"]) == ["sink", "snapkv"] and out.with_suffix(".png").stat().st_size > 0
+    for row in written["policies"].values():
+        totals, extra = row["ms_per_1k_tokens"], row["extra_ms_per_1k_tokens"]
+        assert totals["policy"] > 0 and totals["raw"] > 0 and "other" in extra
+        # the operators shown and "other" add up to the whole difference between the two
+        assert sum(extra.values()) == pytest.approx(totals["policy"] - totals["raw"], rel=1e-6, abs=1e-6)
+        shown = [op for op in extra if op != "other"]
+        assert all(row["policy_ms_per_1k_tokens"][op] - row["raw_ms_per_1k_tokens"][op] == pytest.approx(extra[op])
+                   for op in shown)  # fmt: skip
+        assert [extra[op] for op in shown] == sorted((extra[op] for op in shown), reverse=True)
+    assert written["policies"]["snapkv"]["chunk_size"] == 4 and written["policies"]["sink"]["chunk_size"] == 256
