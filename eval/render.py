@@ -103,34 +103,46 @@ def split(res: Results) -> list[str]:
     report = res.get("split/split.json")
     if not report:
         return missing("split/split.json", "python -m eval split figure")
-    choose = report["choose"]
+    choose, half = report["choose"], report["cache_size"] // 2
 
     def share(heavy: int) -> str:
-        return "none" if heavy == 0 else f"1/{report['cache_size'] // heavy} ({heavy} slots)"
+        return (
+            "no heavy share (sink's split, in fair chunks)"
+            if heavy == 0
+            else f"{heavy} heavy slots (1/{half * 2 // heavy})"
+        )
 
-    said = []
+    said, ratios = [], []
     for model in report["models"].values():
         parts = []
         for policy, held in model["report"]["policies"].items():
+            ratios.append(held["vs_sink"])
             low, high = held["interval"] or (None, None)
-            spread = f" (95% interval {num(low, 3)}–{num(high, 3)})" if low is not None else ""
+            spread = f" ({num(low, 3)}–{num(high, 3)})" if low is not None else ""
             against_half = (
-                f", {pct(held['vs_half_share'] - 1)} against its default share of 1/2"
-                if held["heavy"] != report["cache_size"] // 2
-                else " (its default)"
+                f", {num(100 * (1 - held['vs_half_share']), 1)}% lower than at its default share of 1/2"
+                if held["heavy"] != half
+                else ""
             )
             parts.append(
-                f"{policy} heavy share {share(held['heavy'])}: PPL {num(held['ppl'], 2)}, "
+                f"{policy} with {share(held['heavy'])} reaches PPL {num(held['ppl'], 2)}, "
                 f"{num(held['vs_sink'], 3)}x sink's {num(model['report']['sink_ppl'], 2)}{spread}{against_half}"
             )
         if parts:
-            said.append(f"on {model['model']}, " + "; ".join(parts))
+            said.append(f"On {model['model']}, " + "; ".join(parts) + ".")
     if not said:
         return missing("split/MODEL/report/", "python -m eval split report --data CORPUS")
+    beaten = [r for r in ratios if r < 1]
+    verdict_ = (
+        f"a chosen share beats sink in {len(beaten)} of {len(ratios)} cases"
+        if beaten
+        else f"no chosen share beats sink: they trail it by {num(100 * (min(ratios) - 1), 1)}% to "
+        f"{num(100 * (max(ratios) - 1), 1)}%"
+    )
     return [
         f"**Does another heavy-hitter share rescue H2O?** Chosen at cache {report['cache_size']} on books "
-        f"{choose['books']} (the first {choose['book_tokens']:,} tokens of each) and reported on the leaderboard's "
-        f"stream: " + "; ".join(said) + ".",
+        f"{choose['books']} (the first {choose['book_tokens']:,} tokens of each) among 0, 1/32, ..., 1/2 of the cache "
+        f"and reported on the leaderboard's stream, {verdict_}. " + " ".join(said),
         "",
         source(res, "split/split.json", command="python -m eval split"),
     ]

@@ -4,10 +4,10 @@ reported on others (parts: choose, report, figure).
 `choose` runs sink and both policies at every share of `SHARES` (0, 1/32, 1/16, 1/8, 1/4 and 1/2 of the cache as
 heavy-hitter slots, the rest recent) over the first `BOOK_TOKENS` tokens of each of books `CHOOSE_BOOKS` (the stream
 that picks). `report` takes, per policy, the share with the lowest PPL there and runs it over the leaderboard's own
-stream (its first tokens, book 0 only: no book of the choosing stream), beside the leaderboard's sink and its
-default h2o / h2o_sinks (share 1/2) at 256; a run the leaderboard already has is not run again. `figure` writes
-eval/results/split/split.json and split.png from what both parts left (no model). Every part continues where it
-stopped (`h2o-stream ppl --resume`).
+stream (the corpus from its first token: in gutenberg_pre1919.jsonl book 0 alone, which the choosing stream leaves
+out) beside the leaderboard's sink and its default h2o / h2o_sinks (share 1/2) at 256; a run the leaderboard already
+has is not run again. `figure` writes eval/results/split/split.json and split.png from what both parts left (no
+model). Every part continues where it stopped (`h2o-stream ppl --resume`).
 """
 
 from __future__ import annotations
@@ -147,7 +147,7 @@ def model_report(results: Path, name: str) -> dict:
         "corpus": {"name": sink["settings"]["data"], "sha256": sink["settings"]["data_sha256"]},
         "choose": {"sink_ppl": sink["ppl"], "predicted_tokens": sink["predicted_tokens"], "policies": choosing},
         "report": {
-            "stream": f"the leaderboard's first {base['requested_tokens']:,} tokens (book 0)",
+            "stream": f"the leaderboard's first {base['requested_tokens']:,} tokens (from book 0 on)",
             "predicted_tokens": base["predicted_tokens"],
             "sink_ppl": base["ppl"],
             "policies": held_out,
@@ -200,6 +200,8 @@ def _only(results: list[dict], policy: str) -> dict:
 def plot_split(report: dict, path: Path) -> None:
     """PPL against heavy share (as a ratio to sink), one panel per model: each policy over the choosing stream with
     its interval, and its chosen share over the report stream."""
+    from matplotlib.ticker import FuncFormatter
+
     models = report["models"]
     fig, axes = new_figure(1, len(models), size=(5.2 * len(models), 3.8))
     axes = axes if len(models) > 1 else [axes]
@@ -214,11 +216,20 @@ def plot_split(report: dict, path: Path) -> None:
             held = model["report"]["policies"].get(policy)
             if held:
                 at = report["shares"].index(held["heavy"])
-                ax.plot([at], [held["vs_sink"]], "*", color=color, markersize=14, label=f"{policy}, report books")
+                ax.plot([at], [held["vs_sink"]], "*", color=color, markersize=14, label=f"{policy} chosen, report")
+                if held["half_share_ppl"] and held["heavy"] != CACHE // 2:
+                    half = held["half_share_ppl"] / model["report"]["sink_ppl"]
+                    ax.plot([len(labels) - 1], [half], "*", color=color, markersize=14, fillstyle="none",
+                            label=f"{policy} at 1/2, report")  # fmt: skip
         ax.axhline(1.0, color="grey", linestyle="--", label="sink")
         ax.set_xticks(range(len(labels)), labels)
         ax.set_xlabel(f"heavy-hitter share of the cache ({CACHE})")
-        ax.set_ylabel("PPL / sink's PPL")
+        ax.set_yscale("log")
+        plain = FuncFormatter(lambda value, _: f"{value:.2f}")
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(plain)
+        ax.tick_params(axis="y", which="both", labelsize=7)
+        ax.set_ylabel("PPL / sink's PPL (log scale)")
         ax.set_title(model["model"], fontsize=8)
         ax.legend(fontsize=7)
     choose = report["choose"]
@@ -251,7 +262,8 @@ def split_section(res, page) -> list[str]:
         f"h2o and h2o_sinks at cache {report['cache_size']} with a share of heavy-hitter slots from 0 to 1/2 (the "
         "rest recent; h2o_sinks keeps 4 sinks too), in fair chunks. The share is chosen on books "
         f"{choose['books']} (the first {choose['book_tokens']:,} tokens of each, {choose['tokens']:,} tokens in "
-        "all) and reported on the leaderboard's stream (book 0), which the choosing books do not include. "
+        "all) and reported on the leaderboard's stream, which reads the corpus from its first token: book 0, which the "
+        "choosing books leave out, holds all of it here (docs/benchmarks.md). "
         f"Ratios to sink have 95% bootstrap intervals over windows of {choose['window']:,} tokens (choosing) and "
         "10,000 tokens (reported).",
         "",
