@@ -28,7 +28,7 @@ SUITES = {
     "attention": "eval.attention:attention",
     "seam": "eval.seam:seam",
     "split": "eval.split:split",
-    "profile": "eval.profile:profile",
+    "profile": "eval.fair_profile:profile",
     "coverage": "eval.coverage_report:coverage",
 }
 SUMMARIES = {

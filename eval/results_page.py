@@ -12,6 +12,7 @@ from pathlib import Path
 
 from eval.attention import models_section
 from eval.common import BadInput, scrub_command
+from eval.fair_profile import profile_section
 from eval.serve_load import serve_section
 from eval.split import split_section
 from h2o_stream.apps.perplexity.leaderboard import ratio_text
@@ -637,6 +638,7 @@ SECTIONS = (
     long_section,
     quality_section,
     speed_section,
+    profile_section,
     needle_section,
     soak_section,
     serve_section,

@@ -343,7 +343,8 @@ def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads
     ):
         if not group:
             continue
-        stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * tokens, data)
+        prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
+        stream = corpus_tokens(loaded.tokenizer, prefix + rounds * tokens, data)
         rows = {name: _fair_row(loaded, name, cache_size, stream, rounds, tokens) for name in group}
         report = {
             "benchmark": "fair chunks vs the raw chunked forward",
@@ -363,20 +364,35 @@ def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads
         write_result(out_dir / f"fair_chunks_{kind}.json", report, plot_fair)
 
 
+def twin_prefix(model, policy) -> int:
+    """Stream tokens `twin_caches` feeds before the timed forwards: the policy's budget, or a sliding-window layer's
+    window where that is longer (Gemma 3: 512), so that those layers hold their window in both caches."""
+    from h2o_stream.engine.layer_types import layer_windows
+
+    windows = [w for w in layer_windows(model.config.get_text_config(decoder=True)) if w is not None]
+    return max([policy.budget, *windows])
+
+
 @torch.no_grad()
 def twin_caches(model, policy, stream: torch.Tensor) -> tuple[dict, int, int]:
-    """({"policy": a StreamingCache, "raw": its raw twin}, the policy's fair chunk, what the twin holds), both fed the
-    stream's first `policy.budget` tokens in that chunk: the twin (a DynamicCache, cropped after each timed forward)
-    holds what the policy's cache holds before a chunk, so that each forward of one equals one of the other in keys
-    (a band policy holds its budget, a ranked one its budget + 1 - chunk)."""
-    cache_size = policy.budget
+    """({"policy": a StreamingCache, "raw": its raw twin}, the policy's fair chunk, what the twin's global layers
+    hold), both fed the stream's first `twin_prefix` tokens in that chunk: the twin (a DynamicCache, cropped after
+    each timed forward) holds what the policy's cache holds before a chunk, so that each forward of one equals one of
+    the other in keys (a band policy holds its budget, a ranked one its budget + 1 - chunk; sliding-window layers
+    their window in both)."""
+    cache_size, prefix = policy.budget, twin_prefix(model, policy)
     chunk = default_chunk_size(policy)
     held = cache_size if policy.band() is not None else cache_size + 1 - chunk
     caches = {"policy": StreamingCache(model, policy), "raw": DynamicCache(config=model.config)}
+    for layer in caches["raw"].layers:  # a sliding layer keeps what `crop` may take back (transformers' rule)
+        if hasattr(layer, "activate_past_recording"):
+            layer.activate_past_recording()
     for cache in caches.values():
-        for start in range(0, cache_size, chunk):
-            model(stream[start : min(start + chunk, cache_size)].unsqueeze(0), cache=cache)
-    caches["raw"].crop(held - cache_size)  # negative: drop the newest cache_size - held entries
+        for start in range(0, prefix, chunk):
+            model(stream[start : min(start + chunk, prefix)].unsqueeze(0), cache=cache)
+    for layer in caches["raw"].layers:
+        if not hasattr(layer, "activate_past_recording"):  # a global layer: back to what the policy's holds
+            layer.crop(held - prefix)  # negative: drop the newest prefix - held entries
     return caches, chunk, held
 
 
@@ -385,8 +401,9 @@ def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: 
     """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
     Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
     each round's own pair)."""
-    model, timed = loaded.model, stream[cache_size:]
-    caches, chunk, held = twin_caches(model, make_policy(name, cache_size, tokenizer=loaded.tokenizer), stream)
+    model, policy = loaded.model, make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+    timed = stream[twin_prefix(model, policy) :]
+    caches, chunk, held = twin_caches(model, policy, stream)
     caches["raw_inference"] = copy.deepcopy(caches["raw"])
 
     def step(who):

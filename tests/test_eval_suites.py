@@ -455,10 +455,12 @@ def test_profile_splits_what_fair_chunks_add_to_their_twin_by_operator(tiny, tmp
     assert list(written["policies"]) == ["sink", "snapkv"] and out.with_suffix(".png").stat().st_size > 0
     for row in written["policies"].values():
         totals, extra = row["ms_per_1k_tokens"], row["extra_ms_per_1k_tokens"]
-        assert totals["policy"] > 0 and totals["raw"] > 0 and "other" in extra
-        # the operators shown and "other" add up to the whole difference between the two
+        assert totals["policy"] > 0 and totals["raw"] > 0 and {"other added", "the twin's own"} <= set(extra)
+        assert extra["other added"] >= 0 >= extra["the twin's own"]
+        # the operators shown and the two sums add up to the whole difference between the two
         assert sum(extra.values()) == pytest.approx(totals["policy"] - totals["raw"], rel=1e-6, abs=1e-6)
-        shown = [op for op in extra if op != "other"]
+        shown = [op for op in extra if op not in ("other added", "the twin's own")]
+        assert all(extra[op] > 0 for op in shown)
         assert all(row["policy_ms_per_1k_tokens"][op] - row["raw_ms_per_1k_tokens"][op] == pytest.approx(extra[op])
                    for op in shown)  # fmt: skip
         assert [extra[op] for op in shown] == sorted((extra[op] for op in shown), reverse=True)

@@ -4,7 +4,8 @@
 `speed.twin_caches`); this says where the difference goes. For each policy, in `--rounds` alternating rounds, torch's
 profiler records `--round-tokens` tokens of the policy's forwards, then as many of the twin's, over the same text.
 Per operator, the self CPU time per 1,000 tokens of each and their difference; the operators that add the most are
-kept (the rest summed as "other"). The profiler's own cost per operator call falls more on the side that makes more
+kept, the rest summed as "other added" and, negative, "the twin's own" (what the twin spends more on: its fused
+attention kernel, mostly). The profiler's own cost per operator call falls more on the side that makes more
 small calls (the policy's): the difference here is an upper bound on what the policy's operators cost, and the
 shares, not the absolute times, are what to read. Writes OUT.json and OUT.png.
 """
@@ -15,7 +16,6 @@ import collections
 from pathlib import Path
 
 import click
-import torch
 
 from eval.common import (
     RESULTS,
@@ -30,9 +30,8 @@ from eval.common import (
     setup,
     write_result,
 )
-from eval.speed import twin_caches
 
-#: operators shown per policy (the rest of the difference is summed as "other")
+#: operators shown per policy (the rest of the difference is summed: "other added", "the twin's own")
 SHOWN = 8
 
 
@@ -56,7 +55,10 @@ def profile(policies, cache_size, rounds, round_tokens, threads, data, model_spe
 
     setup(threads)
     loaded = load_model(model_spec)
-    stream = corpus_tokens(loaded.tokenizer, cache_size + rounds * round_tokens, data)
+    from eval.speed import twin_prefix
+
+    prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
+    stream = corpus_tokens(loaded.tokenizer, prefix + rounds * round_tokens, data)
     rows = {}
     for name in policies.split(","):
         policy = make_policy(name, cache_size, tokenizer=loaded.tokenizer)
@@ -77,19 +79,21 @@ def profile(policies, cache_size, rounds, round_tokens, threads, data, model_spe
     write_result(Path(out).with_suffix(".json"), report, plot_profile)
 
 
-@torch.no_grad()
-def profile_row(model, policy, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
+def profile_row(model, policy, stream, rounds: int, tokens: int) -> dict:
     """One policy against its twin: self CPU milliseconds per 1,000 tokens, in all and per operator, and the operators
     that add the most to the policy's time (policy minus twin), largest first, the rest as "other"."""
+    import torch
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
+    from eval.speed import twin_caches, twin_prefix  # torch, transformers: not imported to render the page
+
     caches, chunk, held = twin_caches(model, policy, stream)
-    timed = stream[policy.budget :]
+    timed = stream[twin_prefix(model, policy) :]
     per_op = {who: collections.Counter() for who in caches}
     for r in range(rounds):
         for who, cache in caches.items():
-            with profiler(activities=[ProfilerActivity.CPU]) as recorded:
+            with torch.no_grad(), profiler(activities=[ProfilerActivity.CPU]) as recorded:
                 for start in range(r * tokens, (r + 1) * tokens, chunk):
                     piece = timed[start : min(start + chunk, (r + 1) * tokens)].unsqueeze(0)
                     model(piece, cache=cache)
@@ -101,15 +105,19 @@ def profile_row(model, policy, stream: torch.Tensor, rounds: int, tokens: int) -
     ms = {who: {op: t * scale for op, t in ops.items()} for who, ops in per_op.items()}
     extra = {op: ms["policy"].get(op, 0.0) - ms["raw"].get(op, 0.0) for op in set(ms["policy"]) | set(ms["raw"])}
     ranked = sorted(extra.items(), key=lambda item: -item[1])
-    shown = dict(ranked[:SHOWN])
-    shown["other"] = sum(value for _, value in ranked[SHOWN:])
+    shown = {op: value for op, value in ranked[:SHOWN] if value > 0}
+    rest = [value for op, value in ranked if op not in shown]
+    shown["other added"] = sum(value for value in rest if value > 0)
+    # what the twin spends more on (its fused attention kernel, mostly), as one negative sum
+    shown["the twin's own"] = sum(value for value in rest if value <= 0)
     return {
         "chunk_size": chunk,
         "raw_forward": f"raw {held}+{chunk}",
         "ms_per_1k_tokens": {who: sum(values.values()) for who, values in ms.items()},
         "extra_ms_per_1k_tokens": shown,
-        "policy_ms_per_1k_tokens": {op: ms["policy"].get(op, 0.0) for op in shown if op != "other"},
-        "raw_ms_per_1k_tokens": {op: ms["raw"].get(op, 0.0) for op in shown if op != "other"},
+        "policy_ms_per_1k_tokens": {op: ms["policy"].get(op, 0.0) for op in shown if op in extra},
+        "raw_ms_per_1k_tokens": {op: ms["raw"].get(op, 0.0) for op in shown if op in extra},
+        "twin_ms_per_1k_tokens_most": dict(sorted(ms["raw"].items(), key=lambda item: -item[1])[:3]),
     }
 
 
@@ -132,3 +140,72 @@ def plot_profile(report: dict, path: Path) -> None:
         f"{report['model']}, cache {report['cache_size']}, {report['environment']['threads']} thread(s): what fair "
         "chunks add to their raw twin, per operator (torch profiler, self CPU time)",
     )
+
+
+#: the committed profiles, and the fair-chunk speed of sink on the second model at 1 and 2 threads (`speed fair`)
+PROFILES = ("speed/profile_fair.json", "speed/profile_fair_gemma3.json")
+#: what sink's fair chunks aim at on the second model: a band policy's chunks equal exact mode, no cut inside them
+SINK_TARGET = 0.95
+GEMMA_FAIR = (
+    "models/fair_gemma3_1thread/fair_chunks_chunked.json",
+    "models/fair_gemma3_2threads/fair_chunks_chunked.json",
+)
+
+
+def profile_section(res, page) -> list[str]:
+    """docs/results.md's section on where fair chunks spend their time (called by eval.results_page): sink's fair
+    chunks on Gemma 3 270M against their raw twin at 1 and 2 threads, then each committed profile."""
+    from eval.results_page import num, source, table
+
+    lines = []
+    speeds = [(name, res.get(name)) for name in GEMMA_FAIR if res.get(name)]
+    if speeds:
+        target = speeds[0][1]["targets"]["ratio_vs_raw_forward"]
+        targets = f"Targets: {SINK_TARGET:g}x for sink, {target:g}x for the other policies."
+        lines += [
+            f"## Fair chunks on {speeds[0][1]['model']} against their raw twin",
+            "",
+            "The same measurement as `speed fair` (forward by forward, alternating rounds), on the second model; "
+            "its sliding-window layers keep their window, the policy runs on the global layers.",
+            "",
+        ]
+        rows = [
+            [policy, r["environment"]["threads"], row["chunk_size"], num(row["tokens_per_second"], 1),
+             num(row["raw_tokens_per_second"], 1), num(row["ratio_vs_raw_forward"], 3),
+             num(row["ratio_vs_raw_forward_in_inference_mode"], 3)]
+            for _, r in speeds
+            for policy, row in r["throughput"].items()
+        ]  # fmt: skip
+        lines += table(
+            ["policy", "threads", "chunk", "tok/s", "raw twin tok/s", "ratio", "ratio, twin in inference mode"],
+            rows,
+            {1, 2, 3, 4, 5, 6},
+        )
+        lines += [targets + " " + " ".join(source(res, name) for name, _ in speeds), ""]
+    for name in PROFILES:
+        report = res.get(name)
+        if not report:
+            continue
+        lines += [
+            f"## Where fair chunks spend it: {report['model']}, {report['environment']['threads']} thread(s)",
+            "",
+            "Self CPU time per 1,000 tokens under torch's profiler, the policy's fair chunks and their raw twin over "
+            f"the same text ({report['rounds']} alternating rounds of {report['round_tokens']} tokens, cache "
+            f"{report['cache_size']}); the operators that add the most (ms per 1,000 tokens over the twin). The "
+            "profiler's cost per call weighs more on the side making more small calls: read the shares.",
+            "",
+        ]
+        rows = []
+        for policy, row in report["policies"].items():
+            total, extra = row["ms_per_1k_tokens"], row["extra_ms_per_1k_tokens"]
+            named = [f"{op.removeprefix('aten::')} {value:+.0f}" for op, value in extra.items()]
+            rows.append(
+                [policy, row["chunk_size"], num(total["policy"], 0), num(total["raw"], 0),
+                 num(total["raw"] / total["policy"], 3), ", ".join(named)]
+            )  # fmt: skip
+        lines += table(
+            ["policy", "chunk", "ms / 1k tokens", "twin", "twin ÷ policy", "added, by operator"], rows, {1, 2, 3, 4}
+        )
+        lines += [source(res, name), ""]
+        lines += res.figure(name.replace(".json", ".png"), page, "profile of fair chunks")
+    return lines
