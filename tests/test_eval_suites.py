@@ -465,3 +465,26 @@ def test_profile_splits_what_fair_chunks_add_to_their_twin_by_operator(tiny, tmp
                    for op in shown)  # fmt: skip
         assert [extra[op] for op in shown] == sorted((extra[op] for op in shown), reverse=True)
     assert written["policies"]["snapkv"]["chunk_size"] == 4 and written["policies"]["sink"]["chunk_size"] == 256
+
+
+def test_the_twin_of_a_sliding_window_model_keeps_its_window_and_crops(tmp_path):
+    # Gemma 3's sliding layers trim themselves in transformers' cache unless told to keep what `crop` takes back
+    from eval.speed import twin_caches, twin_prefix
+    from h2o_stream import make_policy
+    from tiny_models import WINDOW, tiny_model
+
+    model = tiny_model("gemma3_text")
+    policy = make_policy("sink", WINDOW // 2)
+    prefix = twin_prefix(model, policy)
+    assert prefix == WINDOW  # the window is longer than the budget: both caches are fed the window first
+    stream = torch.randint(0, model.config.vocab_size, (prefix + 3 * 4,))
+    caches, chunk, held = twin_caches(model, policy, stream)
+    raw, kinds = caches["raw"], model.config.layer_types
+    # between timed forwards: the global layers what the policy's hold, the sliding ones their window less the
+    # newest token (as transformers keeps them, and as the policy's sliding layers do)
+    steady = [held if kind == "full_attention" else WINDOW - 1 for kind in kinds]
+    for start in range(prefix, stream.numel(), 4):
+        with torch.no_grad():
+            model(stream[start : start + 4].unsqueeze(0), cache=raw)
+        raw.crop(-4)
+        assert [layer.keys.shape[-2] for layer in raw.layers] == steady
