@@ -40,6 +40,13 @@ results_option = click.option(
 )
 
 
+def run_options(command):
+    """--data, --model, --workers, --results and --dry-run: what the parts that run `h2o-stream ppl` take."""
+    for option in reversed((data_option, model_option, workers_option, results_option, dry_run_option)):
+        command = option(command)
+    return command
+
+
 @click.group()
 def split():
     """The heavy-hitter share studied: chosen on some books, reported on others (parts: choose, report, figure)."""
@@ -55,11 +62,7 @@ def _ppl(data: str, model_name: str, workers: int, out: Path, *options: str) -> 
 
 
 @split.command()
-@data_option
-@model_option
-@workers_option
-@results_option
-@dry_run_option
+@run_options
 def choose(data, model_name, workers, results, dry_run):
     """Sink, h2o and h2o_sinks at every share over the choosing stream (split/MODEL/choose)."""
     shares = ",".join(map(str, SHARES))
@@ -69,11 +72,7 @@ def choose(data, model_name, workers, results, dry_run):
 
 
 @split.command()
-@data_option
-@model_option
-@workers_option
-@results_option
-@dry_run_option
+@run_options
 def report(data, model_name, workers, results, dry_run):
     """Each policy's chosen share over the leaderboard's stream (split/MODEL/report), unless the board has it."""
     chosen = chosen_shares(_results(results / "split" / model_name / "choose"))
