@@ -75,8 +75,10 @@ def choose(data, model_name, workers, results, dry_run):
 @run_options
 def report(data, model_name, workers, results, dry_run):
     """Each policy's chosen share over the leaderboard's stream (split/MODEL/report), unless the board has it."""
-    chosen = chosen_shares(_results(results / "split" / model_name / "choose"))
+    picked = _results(results / "split" / model_name / "choose")
     board = _results(results / MODELS[model_name][1] / "runs")
+    check_same_model_and_corpus(picked, board)
+    chosen = chosen_shares(picked)
     tokens = _only(board, "sink")["requested_tokens"]
     missing = [(policy, heavy) for policy, heavy in chosen.items() if _find(board, policy, heavy) is None]
     out = results / "split" / model_name / "report"
@@ -124,6 +126,7 @@ def model_report(results: Path, name: str) -> dict:
         for policy in POLICIES
     }  # fmt: skip
     board = _results(results / MODELS[name][1] / "runs")
+    check_same_model_and_corpus(picked, board)
     held_out_runs = results / "split" / name / "report"
     reported = _results(held_out_runs) if held_out_runs.is_dir() else []
     base = _only(board, "sink")
@@ -152,6 +155,19 @@ def model_report(results: Path, name: str) -> dict:
             "policies": held_out,
         },
     }
+
+
+def check_same_model_and_corpus(picked: list[dict], board: list[dict]) -> None:
+    """The choosing runs and the leaderboard's must share their model (weights, dtype) and corpus (its sha256): a
+    share chosen on another corpus's books, or with another model, says nothing about this board."""
+    for key in ("model_weights", "dtype", "data_sha256"):
+        mine = {r["settings"].get(key) for r in picked}
+        theirs = {r["settings"].get(key) for r in board}
+        if len(mine | theirs) > 1:
+            raise BadInput(
+                f"the choosing runs and the leaderboard's differ in {key} ({', '.join(map(str, sorted(mine)))} "
+                f"against {', '.join(map(str, sorted(theirs)))}): run both on one model and corpus"
+            )
 
 
 def chosen_shares(results: list[dict]) -> dict[str, int]:

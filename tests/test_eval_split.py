@@ -94,3 +94,19 @@ def test_report_and_figure_need_every_share_chosen_first(study, capsys):
     with pytest.raises(SystemExit) as done:
         main(["split", "report", "--data", str(corpus), "--results", str(results), "--dry-run"])
     assert done.value.code == 2 and "h2o has 5 of its 6 shares: finish `choose` first" in capsys.readouterr().err
+
+
+def test_a_share_chosen_on_another_corpus_is_not_reported_beside_the_board(study, ppl_model_dir, tmp_path, capsys):
+    corpus, results = study
+    choose = results / "split" / "smollm2" / "choose"
+    other = write_corpus(tmp_path / "other.jsonl", books=4, text="It was a bright cold day in April. " * 60)
+    for path in choose.glob("*"):
+        path.unlink()
+    code, _, err = ppl(capsys, "--model", ppl_model_dir, "--data", other, "--policy", "sink,h2o,h2o_sinks",
+                       *TINY_RUN, "--heavy", ",".join(map(str, SHARES)), "--out", choose)  # fmt: skip
+    assert code == 0, err
+    for part in (["report", "--data", str(corpus), "--dry-run"], ["figure"]):
+        with pytest.raises(SystemExit) as done:
+            main(["split", *part, "--results", str(results)])
+        assert done.value.code == 2 and "differ in data_sha256" in capsys.readouterr().err
+    assert not (results / "split" / "split.json").exists()
