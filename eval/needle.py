@@ -47,7 +47,7 @@ from h2o_stream.loading.corpus import describe_source, read_book
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey?"
 PRIMER = "The secret passkey is"
-STREAMED = tuple(POLICIES)
+STREAMED = tuple(name for name, cls in POLICIES.items() if not cls.required_options)  # head_hybrid: calibrated
 VARIANTS = STREAMED + ("truncation",)
 
 

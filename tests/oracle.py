@@ -86,7 +86,7 @@ class Rules:
     accumulate: str | None  # sum / decay / latest / moments, or None: no scores
     layer_mean: bool  # the layer's mean over every query head, else per KV head (its query heads summed)
     decay: float
-    ranking: str | None  # age / score / mean / key_diversity / token_class
+    ranking: str | None  # age / score / mean / key_diversity / token_class / pooled / head_class
     separator_ids: frozenset = frozenset()
     window: int = 0  # "window": the latest queries whose attention counts
     schedule: str | None = None  # "pyramid": the ranked part spread over the layers
@@ -95,6 +95,7 @@ class Rules:
     max_pool: bool = False
     gumbel: tuple | None = None  # Gumbel-regularised scores: (seed, tau_init, tau_end, tau_steps)
     merge: tuple | None = None  # evicted entries merged into the ones after them: (span, seed)
+    retrieval: frozenset = frozenset()  # "head_class": the (layer, KV head) pairs ranking by score, as text ("*": any)
 
     @classmethod
     def of(cls, policy) -> Rules:
@@ -125,6 +126,11 @@ class Rules:
             beta=getattr(policy, "beta", 1),
             gumbel=gumbel,
             merge=(policy.merge_span, policy.merge_seed) if type(policy).eviction == "merge" else None,
+            retrieval=frozenset(
+                tuple(pair.split("."))
+                for pair in getattr(policy, "retrieval_heads", "none").split(",")
+                if pair != "none"
+            ),
         )
 
     def layer_parts(self, layers: int) -> list[dict[str, int]]:
@@ -146,7 +152,7 @@ class Rules:
 
 class Oracle:
     #: the rankings whose cut rules `cut` spells out (the engine tests compare these)
-    RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled")
+    RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled", "head_class")
 
     def __init__(self, model, rules: Rules, *, rolling: bool = True):
         config = model.config
@@ -312,7 +318,7 @@ class Oracle:
 
     def cut(self, entries: list[Entry], parts: dict[str, int], layer: int, head: int) -> list[Entry]:
         """What `parts` keep of `entries` (one layer's KV head), the evicted merged first for a policy that merges."""
-        kept = self.choose(entries, parts)
+        kept = self.choose(entries, parts, layer, head)
         if self.rules.merge is not None and len(kept) < len(entries):
             self.merge(entries, kept, layer, head)
         return kept
@@ -331,7 +337,7 @@ class Oracle:
                 for o in after[:span]:
                     o.value = o.value + e.value / span
 
-    def choose(self, entries: list[Entry], parts: dict[str, int]) -> list[Entry]:
+    def choose(self, entries: list[Entry], parts: dict[str, int], layer: int, head: int) -> list[Entry]:
         budget = sum(parts.values())
         if not parts or len(entries) <= budget:
             return entries
@@ -344,7 +350,12 @@ class Oracle:
         ranking = self.rules.ranking
         if ranking == "age":
             return sinks + recent
-        if ranking == "score":
+        if ranking == "head_class":  # a retrieval head ranks by score (below), a streaming one keeps its newest
+            classed = {(str(layer), str(head)), ("*", str(head))} & self.rules.retrieval
+            ranking = "score" if classed else "newest"
+        if ranking == "newest":
+            chosen = others[len(others) - ranked :] if ranked else []
+        elif ranking == "score":
             # the `ranked` highest scores among the others, ties to the older one; kept in stream order
             chosen = sorted(others, key=lambda e: (-e.score, e.position))[:ranked]
         elif ranking == "mean":

@@ -1,9 +1,10 @@
 """The tests' policy matrix, read from the registry: a new policy file is picked up by every test that can take it.
 
 ALL: every registered policy, built by `build(name, size)` (with TOKENIZER for those that need the model's tokenizer,
-sepllm). EVICTING: those with budget parts (a bounded cache). BANDED: evicting policies with a band (chunked mode
-equals exact mode). SCORED: evicting policies that decide from attention scores. TOKENIZED: the policies that need the
-tokenizer; a test that builds policies from these lists builds them with `build`, not `make_policy`.
+sepllm, and the example of any setting that must be given, head_hybrid's). EVICTING: those with budget parts (a
+bounded cache). BANDED: evicting policies with a band (chunked mode equals exact mode). SCORED: evicting policies
+that decide from attention scores. TOKENIZED: the policies that need the tokenizer; a test that builds policies from
+these lists builds them with `build`, not `make_policy`.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def build(name: str, cache_size: int | None = None, **parts) -> EvictionPolicy:
     tests feed; so its smallest layer keeps 6 of 8 and every layer takes them."""
     if POLICIES[name].layer_schedule is not None and cache_size:
         parts = {"recent": cache_size // 2, "beta": 2, **parts}
+    required = {option.name: option.example for option in POLICIES[name].options if option.required}
+    parts = {**required, **parts}  # a setting no default runs (head_hybrid's classes): one that runs on any model
     return make_policy(name, cache_size, tokenizer=TOKENIZER, **parts)
 
 

@@ -11,7 +11,7 @@ from tiny_models import random_ids, tiny_model
 
 
 def streamed_logits(model, policy, ids, chunk):
-    cache = StreamingCache(model, build(policy, 8))
+    cache = StreamingCache(model, build(policy, 12))  # 12: heavy hitters survive a chunk's first cut
     with torch.no_grad():
         logits = torch.cat([model(ids[:, i : i + chunk], cache=cache).logits for i in range(0, ids.shape[1], chunk)], 1)
     return logits, cache

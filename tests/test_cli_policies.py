@@ -42,7 +42,9 @@ def base(ppl_model_dir, tmp_path):
 
 def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_path, capsys):
     # pyramid's highest layer keeps only 2 of 16 at beta 20, fewer than a chunk of 8: beta 2 leaves it 9
-    code, out, err = ppl(capsys, *base, "--policy", ",".join(ALL), "--alpha", 0.9, "--per-head", "--beta", 2)
+    code, out, err = ppl(
+        capsys, *base, "--policy", ",".join(ALL), "--alpha", 0.9, "--per-head", "--beta", 2, "--retrieval-heads", "1.0"
+    )
     assert code == 0, err
     runs = [json.loads(path.read_text()) for path in (tmp_path / "out").glob("*.json") if path.name != "summary.json"]
     results = {record["settings"]["policy"]: record for record in runs}
@@ -53,6 +55,7 @@ def test_ppl_runs_every_registered_policy_and_records_its_settings(base, tmp_pat
     assert settings["sepllm"]["separator_ids"]  # the char tokenizer's '.', ',' and ' ' are separators
     assert "alpha" not in settings["tova"] and "per_head" not in settings["a2sf"]
     assert settings["pyramid"]["beta"] == 2 and "beta" not in settings["snapkv"]
+    assert settings["head_hybrid"]["retrieval_heads"] == "1.0" and settings["head_hybrid"]["calibrated_for"] == ""
     for name, record in results.items():
         assert settings[name]["policy"] == name and record["predicted_tokens"] == 59, record
 

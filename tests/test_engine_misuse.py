@@ -47,7 +47,7 @@ def refused(call, match: str):
 @pytest.mark.parametrize("policy", UNIFORM_SCORED)
 def test_a_scored_cache_refuses_a_chunk_wider_than_itself_on_top_of_entries(policy):
     model = tiny_model("llama")
-    cache = StreamingCache(model, make_policy(policy, 4))
+    cache = StreamingCache(model, build(policy, 4))
     model(random_ids(3), cache=cache)
     before = snapshot(cache)
     message = refused(lambda: model(random_ids(5, seed=2), cache=cache), "chunk of 5 tokens")
@@ -60,7 +60,7 @@ def test_a_scored_cache_refuses_a_chunk_wider_than_itself_on_top_of_entries(poli
 @pytest.mark.parametrize("policy", UNIFORM_SCORED)
 def test_a_one_entry_scored_cache_is_refused_up_front(policy):
     """The reported case: --cache-size 1 with the default chunk of 256."""
-    cache = StreamingCache(tiny_model("llama"), make_policy(policy, 1))
+    cache = StreamingCache(tiny_model("llama"), build(policy, 1))
     assert cache.max_chunk == 1
     refused(lambda: cache.check_chunk_size(256), "chunk of 256 tokens over a cache of 1")
     cache.check_chunk_size(1)

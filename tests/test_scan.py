@@ -130,6 +130,7 @@ def _cut_trials(spec, seed: int, *, reductions: int, equal_keys: bool = False):
         extra = {
             "keys": torch.randn(2, 3, n, 4, generator=generator, dtype=torch.float64),
             "tokens": torch.randint(0, 8, (2, 3, n), generator=generator),
+            "layer": 0,  # head_hybrid's example classes head 0 of every layer retrieval, the others streaming
         }  # ids 3 and 4 are separators
         if equal_keys:
             extra["keys"][:, :, 9] = extra["keys"][:, :, 5]  # equal similarities (keydiff), the older one first
@@ -142,7 +143,7 @@ def _keep_among(p, slots, positions, scores, taken):
     return p.keep(
         positions[..., slots],
         scores[:, :, slots] if p.needs_scores else None,
-        **{k: v[:, :, slots] for k, v in taken.items()},
+        **{k: v if k == "layer" else v[:, :, slots] for k, v in taken.items()},
     )
 
 

@@ -42,6 +42,7 @@ from .checks import (
     _check_stream_fits,
     _check_token_ids,
     _model_shape,
+    model_signature,
 )
 from .hooks import active_cache, attach
 from .layer import StreamingLayer, compiled_loop
@@ -99,6 +100,11 @@ class StreamingCache(Cache):
         windows = self._windows = layer_windows(config)
         self._slides = any(window is not None for window in windows)  # checkpoints record the sliding mode then
         policies = layer_policies(policy, windows, sliding)
+        policy.fit_model(
+            [i for i, p in enumerate(policies) if type(p) is type(policy)],
+            _model_shape(config)[1],
+            model_signature(config),
+        )
         budget = max((p.budget for p in policies if p.budget is not None), default=None)
         context = getattr(config, "max_position_embeddings", None)
         _check_context(policy, budget, context, rolling)

@@ -15,6 +15,13 @@ def _model_shape(config) -> tuple[int, int, int]:
     return config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim
 
 
+def model_signature(config) -> str:
+    """A model as a policy setting may name it: its type and what a cache's storage is shaped by, e.g.
+    'llama: 30 layers x 3 KV heads x 64' (a head classification made on one model is refused on another)."""
+    layers, kv_heads, head_dim = _model_shape(config)
+    return f"{getattr(config, 'model_type', 'unknown')}: {layers} layers x {kv_heads} KV heads x {head_dim}"
+
+
 def _continues(position_ids: torch.Tensor, seen: int, length: int) -> bool:
     """Whether every row of `position_ids` is seen..seen+length-1."""
     if position_ids.shape[-1] != length:

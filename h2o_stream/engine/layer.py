@@ -285,12 +285,14 @@ class StreamingLayer(CacheLayerMixin):
         banded = then is None and policy.band() is not None
         if banded and memo_key in self._rows_memo:
             return self._rows_memo[memo_key]
-        extra = {}
+        extra: dict[str, torch.Tensor | int] = {}
         if policy.needs_keys:
             extra["keys"] = keys
         if policy.needs_tokens:
             assert self.tokens is not None  # a layer carries token ids for a policy that reads them
             extra["tokens"] = self.tokens
+        if policy.needs_layer:
+            extra["layer"] = self.index
         if then is None:  # scores are None for a policy without them
             keep = policy.keep(positions, self.scores, **extra)
         else:

@@ -102,6 +102,11 @@ class EvictionPolicy:
     needs_tokens: ClassVar[bool] = False
     #: whether building the policy needs the model's tokenizer (`tokenizer_settings`)
     needs_tokenizer: ClassVar[bool] = False
+    #: the settings that must be given (`Setting.required`: no default runs); the leaderboard leaves such a policy out
+    #: unless it is named
+    required_options: ClassVar[tuple[str, ...]] = ()
+    #: whether `keep` reads the index of the model layer it cuts (`layer=`: "head_class" classes heads per layer)
+    needs_layer: ClassVar[bool] = False
     _part_names: ClassVar[tuple[str, ...]] = ()
     #: made by @dataclass on every subclass (see the class docstring): `dataclasses.replace` rebuilds a policy
     __dataclass_fields__: ClassVar[dict[str, dataclasses.Field[Any]]]
@@ -121,6 +126,8 @@ class EvictionPolicy:
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
         cls.needs_keys = cls.ranking == "key_diversity"
         cls.needs_tokens = cls.needs_tokenizer = cls.ranking == "token_class"
+        cls.needs_layer = cls.ranking == "head_class"
+        cls.required_options = tuple(option.name for option in cls.options if option.required)
 
     @classmethod
     def _ranked_part_names(cls) -> tuple[str, ...]:
@@ -209,6 +216,12 @@ class EvictionPolicy:
             )
         return [dataclasses.replace(self, **{part: slots}) for slots in budgets]
 
+    def fit_model(self, layers: list[int], kv_heads: int, model: str) -> None:
+        """Refuse (H2OStreamError) a model this policy cannot run on, when a cache is made for it: `layers` are the
+        indices of the model layers that run this policy, `kv_heads` their KV heads, `model` the model's signature
+        (`engine.checks.model_signature`). Any model fits but where a setting names its layers and heads
+        (head_hybrid's classification)."""
+
     # -- scores -------------------------------------------------------------------------------------------------
     @property
     def score_heads(self) -> str:
@@ -278,13 +291,14 @@ class EvictionPolicy:
         return score_updates.query_weights(self, length)
 
     # -- cuts ---------------------------------------------------------------------------------------------------
-    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor) -> torch.Tensor:
+    def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor | int) -> torch.Tensor:
         """Slots to keep, shape (batch, kv_heads, budget), ascending so stream order is preserved: the sinks, the
         `ranked_slots` highest ranks between them and the recent window (ties to the older entry), the recent window.
 
         `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` the same shape (plus a
         last axis of 2 for "moments") or None without scoring; `keys=` (batch, kv_heads, n, head_dim) with
-        `needs_keys`, `tokens=` with `needs_tokens`. Called only when n > budget."""
+        `needs_keys`, `tokens=` with `needs_tokens`, `layer=` (the model layer's index) with `needs_layer`. Called
+        only when n > budget."""
         from .ranking import RANKERS
 
         sinks, recent = self.protected_sinks, self.protected_recent
@@ -310,7 +324,7 @@ class EvictionPolicy:
         return merge_evicted(values, positions, scores, kept, span=span, seed=seed, layer=layer)
 
     def keep_twice(
-        self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor
+        self, then: EvictionPolicy, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor | int
     ) -> torch.Tensor:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
         keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. A fair chunk of a policy
@@ -325,7 +339,7 @@ class EvictionPolicy:
         second = then.keep(
             at_slots(positions, first),
             None if scores is None else at_slots(scores, first),
-            **{name: at_slots(value, first) for name, value in extra.items()},
+            **{name: value if isinstance(value, int) else at_slots(value, first) for name, value in extra.items()},
         )
         return first.gather(-1, second)
 
@@ -339,7 +353,7 @@ class EvictionPolicy:
         (`keep_twice`)."""
         if self.ranking == "mean":
             return self.protected_recent >= 1
-        return self.ranking in ("age", "score", "token_class")
+        return self.ranking in ("age", "score", "token_class", "head_class")
 
     def band(self) -> tuple[int, int] | None:
         """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`

@@ -63,21 +63,34 @@ SINKS = Part("sinks", "attention-sink slots, the stream's first tokens", fixed=4
 class Setting:
     """A policy setting that is not a number of slots (e.g. a2sf's forgetting factor): `name` is the constructor
     argument, `default` its value when not given. A bool default makes it a flag; a number's value must lie in
-    `within` (low, high], checked when the policy is made (`called` names it in the error)."""
+    `within` (low, high], checked when the policy is made (`called` names it in the error); a str default makes it
+    text, which the policy reads itself. A `required` setting has no default a policy can run with (head_hybrid's
+    head classification): making the policy without it is refused, and `example` is a value that runs on any model
+    (what the tests give; `h2o-stream leaderboard` leaves such a policy out unless it is named)."""
 
     name: str
     help: str
-    default: float | bool
+    default: float | bool | str
     within: tuple[float, float] | None = None
     called: str = ""
     odd: bool = False
+    required: bool = False
+    example: float | bool | str | None = None
 
     def __post_init__(self):
         if not self.name.isidentifier():
             raise H2OStreamError(f"a policy setting needs a name usable as an argument, got {self.name!r}")
+        if self.required and self.example is None:
+            raise H2OStreamError(f"the required setting {self.name!r} needs an example value")
 
     def check(self, value):
         """`value` as the policy keeps it (a float for a number), or a clear H2OStreamError."""
+        if self.required and value == self.default:
+            raise H2OStreamError(f"{self.name} must be given: {self.called or self.help}")
+        if isinstance(self.default, str):
+            if not isinstance(value, str):
+                raise H2OStreamError(f"{self.name} must be text, got {value!r}")
+            return value
         if isinstance(self.default, bool):
             if not isinstance(value, bool):
                 raise H2OStreamError(f"{self.name} must be true or false, got {value!r}")
@@ -101,7 +114,7 @@ class Setting:
 #: how attention becomes a score (`Scores.accumulate`)
 ACCUMULATORS = ("sum", "decay", "latest", "moments", "window")
 #: how the entries between the sinks and the recent window are ranked for the ranked parts (`EvictionPolicy.ranking`)
-RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled")
+RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled", "head_class")
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,9 @@ and the recent window a rank, and a cut keeps the highest (`keep_top`; ties to t
 - "key_diversity": KeyDiff's: least cosine similarity to the mean unit key of everything the KV head holds;
 - "token_class": SepLLM's: tokens in the policy's `separator_ids` above the rest, newer above older within each;
 - "pooled": SnapKV's: the score (summed over a "window" score's queries) pooled over neighbouring slots, a window of
-  the policy's `kernel` slots centred on each (average, the padding counted as 0; or the maximum with `max_pool`).
+  the policy's `kernel` slots centred on each (average, the padding counted as 0; or the maximum with `max_pool`);
+- "head_class": per KV head, as the policy's `retrieval_heads` class it in the model layer `layer`: a retrieval
+  head's entries by score, a streaming head's by age (the newest highest: it keeps the sinks and its newest entries).
 
 ("age" ranks nothing: such a policy keeps its sinks and recent window, a band.) Each function takes the policy, the
 layer's `positions`, `scores` and, as the ranking needs them, `keys` or `tokens`, all (batch, kv_heads, n, ...), and
@@ -72,6 +74,22 @@ def by_pooled(policy, positions, scores, **_):
     return pooled.view(batch, heads, m)
 
 
+def by_head_class(policy, positions, scores, *, layer, **_):
+    import torch
+
+    middle = scores[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
+    retrieval = policy.retrieval_in(layer)
+    if len(retrieval) == middle.shape[1]:
+        return middle
+    # a streaming head ranks by slot (= stream order): its newest entries are its highest
+    ranks = torch.arange(middle.shape[-1], device=middle.device, dtype=middle.dtype).expand_as(middle)
+    if not retrieval:
+        return ranks
+    heads = torch.zeros(middle.shape[1], dtype=torch.bool, device=middle.device)
+    heads[list(retrieval)] = True
+    return torch.where(heads.view(1, -1, 1), middle, ranks)
+
+
 #: ranking name -> ranker(policy, positions, scores, **extra) -> ranks; each takes the extras its ranking needs
 RANKERS: dict[str, Callable[..., torch.Tensor]] = {
     "score": by_score,
@@ -79,6 +97,7 @@ RANKERS: dict[str, Callable[..., torch.Tensor]] = {
     "key_diversity": by_key_diversity,
     "token_class": by_token_class,
     "pooled": by_pooled,
+    "head_class": by_head_class,
 }
 
 

@@ -16,6 +16,8 @@ GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
 EVICTIONS = ("drop", "merge")
 #: the settings a policy that merges declares
 MERGE_SETTINGS = ("merge_span", "merge_seed")
+#: the settings a policy ranking by head class declares (which KV heads of which layers rank by score)
+HEAD_CLASS_SETTINGS = ("retrieval_heads",)
 #: the settings a policy with a per-layer schedule declares, by schedule (`EvictionPolicy.layer_schedule`)
 SCHEDULE_SETTINGS = {"pyramid": ("beta",)}
 
@@ -33,7 +35,7 @@ def check_declaration(cls) -> None:
             f"`keep` of its own), not {cls.ranking!r}"
         )
     if cls.scoring is None:
-        if cls.ranking in ("score", "mean", "pooled"):
+        if cls.ranking in ("score", "mean", "pooled", "head_class"):
             raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
     elif cls.ranking == "mean" and cls.scoring.accumulate != "moments":
         raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
@@ -52,6 +54,10 @@ def check_declaration(cls) -> None:
     if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
         raise H2OStreamError(
             f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings {', '.join(GUMBEL_SETTINGS)}"
+        )
+    if cls.ranking == "head_class" and not set(HEAD_CLASS_SETTINGS) <= set(cls.option_names()):
+        raise H2OStreamError(
+            f"{cls.__qualname__} ranks by head class and needs the settings {', '.join(HEAD_CLASS_SETTINGS)}"
         )
     if cls.eviction not in EVICTIONS:
         raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")
