@@ -22,6 +22,7 @@ COMMANDS = {
     "chat": "h2o_stream.cli.chat:chat",
     "summarize": "h2o_stream.cli.summarize:summarize",
     "serve": "h2o_stream.cli.serve:serve",
+    "calibrate": "h2o_stream.cli.calibrate:calibrate",
 }
 
 

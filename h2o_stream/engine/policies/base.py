@@ -7,10 +7,9 @@ A policy declares (docs/design.md, "Writing a policy"):
 - `scoring`: how the attention an entry receives becomes its score (`Scores`), or None: no scores (the fused
   attention path stays);
 - `ranking`: how the entries between the sinks and the recent window are ranked for the ranked parts (ranking.py):
-  "age" (none ranked: sinks and a recent window, a band), "score", "mean", "key_diversity", "token_class",
-  "pooled";
-- optionally `fair_chunk_share` (the default fair chunk, as a share of the budget) and `tokenizer_settings` (fields
-  derived from the model's tokenizer, for a ranking that reads token ids).
+  "age" (none ranked: a band), "score", "mean", "key_diversity", "token_class", "pooled", "head_class";
+- optionally `fair_chunk_share` (the default fair chunk, as a share of the budget), `tokenizer_settings` (fields
+  derived from the tokenizer, for "token_class") and `fit_model` (refusing a model its settings do not name).
 
 From these the engine gets, for every path alike (tensor operations, the compiled exact-mode loop, fair chunks, the
 tests' oracle): whether layers carry scores and of what shape, how a step's attention updates them
@@ -102,10 +101,9 @@ class EvictionPolicy:
     needs_tokens: ClassVar[bool] = False
     #: whether building the policy needs the model's tokenizer (`tokenizer_settings`)
     needs_tokenizer: ClassVar[bool] = False
-    #: the settings that must be given (`Setting.required`: no default runs); the leaderboard leaves such a policy out
-    #: unless it is named
+    #: the settings that must be given (`Setting.required`); the leaderboard runs such a policy only when named
     required_options: ClassVar[tuple[str, ...]] = ()
-    #: whether `keep` reads the index of the model layer it cuts (`layer=`: "head_class" classes heads per layer)
+    #: whether `keep` reads the index of the model layer it cuts (`layer=`: "head_class")
     needs_layer: ClassVar[bool] = False
     _part_names: ClassVar[tuple[str, ...]] = ()
     #: made by @dataclass on every subclass (see the class docstring): `dataclasses.replace` rebuilds a policy
@@ -145,13 +143,11 @@ class EvictionPolicy:
 
     @classmethod
     def from_budget(cls, cache_size: int | None, **given) -> EvictionPolicy:
-        """The policy for `cache_size` entries per layer and KV head, with the parts in `given` fixed.
-
-        The parts not given take their declared defaults, in declaration order, each at most what is left; the rest
-        part (or, when it was given, the last part not given) takes what remains. A policy without parts ignores the
-        cache size. Anything in `given` that is not a part (settings, tokenizer-derived fields) goes to the
-        constructor as it is. `make_policy` validates the values first.
-        """
+        """The policy for `cache_size` entries per layer and KV head, with the parts in `given` fixed: the others take
+        their declared defaults in declaration order, each at most what is left, and the rest part (or, when it was
+        given, the last part not given) what remains. A policy without parts ignores the cache size; what in `given`
+        is no part (settings, tokenizer-derived fields) goes to the constructor as it is. `make_policy` validates
+        the values first."""
         parts = {name: value for name, value in given.items() if name in cls._part_names}
         others = {name: value for name, value in given.items() if name not in cls._part_names}
         if not cls.parts:
@@ -162,8 +158,7 @@ class EvictionPolicy:
 
     @classmethod
     def tokenizer_settings(cls, tokenizer) -> dict:
-        """Constructor arguments derived from the model's tokenizer (e.g. sepllm's separator ids); called by
-        `make_policy` for policies with `needs_tokenizer`, which refuses to build them without a tokenizer."""
+        """Constructor arguments from the model's tokenizer (sepllm's separator ids), for `needs_tokenizer`."""
         return {}
 
     def __post_init__(self):
@@ -217,10 +212,8 @@ class EvictionPolicy:
         return [dataclasses.replace(self, **{part: slots}) for slots in budgets]
 
     def fit_model(self, layers: list[int], kv_heads: int, model: str) -> None:
-        """Refuse (H2OStreamError) a model this policy cannot run on, when a cache is made for it: `layers` are the
-        indices of the model layers that run this policy, `kv_heads` their KV heads, `model` the model's signature
-        (`engine.checks.model_signature`). Any model fits but where a setting names its layers and heads
-        (head_hybrid's classification)."""
+        """Refuse (H2OStreamError) a model whose `layers` running this policy, `kv_heads` or signature `model` its
+        settings do not fit (head_hybrid's classes), when a cache is made for it."""
 
     # -- scores -------------------------------------------------------------------------------------------------
     @property
@@ -241,8 +234,7 @@ class EvictionPolicy:
 
     @property
     def score_moments(self) -> tuple[int, ...]:
-        """The trailing shape of one entry's score: (2,) for "moments" (sum, sum of squares), (window,) for "window"
-        (one column per query of the window, oldest first), else ()."""
+        """An entry's score's trailing shape: (2,) "moments" (sum, sum of squares), (window,) "window", else ()."""
         if self.score_squares:
             return (2,)
         return (self.score_window,) if self.score_window else ()
@@ -256,7 +248,7 @@ class EvictionPolicy:
 
     @property
     def gumbel(self) -> bool:
-        """Whether scores come from Gumbel-regularised attention (`Scores.gumbel`) rather than the model's own."""
+        """Whether scores come from Gumbel-regularised attention (`Scores.gumbel`), not the model's own."""
         return self.scoring is not None and self.scoring.gumbel
 
     def gumbel_draws(
@@ -346,11 +338,10 @@ class EvictionPolicy:
     @property
     def cuts_nest(self) -> bool:
         """Whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
-        (the scores unchanged in between): True for a ranking that is one fixed order of the entries ("age", "score",
-        "token_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity", whose
-        anchor is the mean of the keys held, nor "pooled", whose ranks depend on the neighbours an earlier cut left.
-        Between two fair chunks such a policy then makes one cut, with `reduced`; any other makes both at once
-        (`keep_twice`)."""
+        (scores unchanged): True for a ranking that is one fixed order of the entries ("age", "score", "token_class",
+        "head_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity" (its
+        anchor is the mean of the keys held) nor "pooled" (its ranks depend on the neighbours an earlier cut left).
+        Between two fair chunks such a policy makes one cut, with `reduced`; any other both at once (`keep_twice`)."""
         if self.ranking == "mean":
             return self.protected_recent >= 1
         return self.ranking in ("age", "score", "token_class", "head_class")
