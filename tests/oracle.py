@@ -89,6 +89,7 @@ class Rules:
     ranking: str | None  # age / score / mean / key_diversity / token_class / pooled / head_class
     separator_ids: frozenset = frozenset()
     window: int = 0  # "window": the latest queries whose attention counts
+    quantile: float = 0.0  # "window": count the query heads giving more than this quantile of their row instead
     schedule: str | None = None  # "pyramid": the ranked part spread over the layers
     beta: int = 1
     kernel: int = 1  # "pooled": neighbouring slots pooled, centred
@@ -109,6 +110,8 @@ class Rules:
         decay = float(getattr(policy, decay) if isinstance(decay, str) else decay)
         window = 0 if scoring is None else scoring.window
         window = int(getattr(policy, window) if isinstance(window, str) else window)
+        quantile = 0.0 if scoring is None else scoring.quantile
+        quantile = float(getattr(policy, quantile) if isinstance(quantile, str) else quantile)
         gumbel = None
         if scoring is not None and scoring.gumbel:
             gumbel = (policy.gumbel_seed, policy.tau_init, policy.tau_end, policy.tau_steps)
@@ -120,6 +123,7 @@ class Rules:
             type(policy).ranking,
             frozenset(getattr(policy, "separator_ids", ())),
             window=window,
+            quantile=quantile,
             kernel=getattr(policy, "kernel", 1),
             max_pool=getattr(policy, "max_pool", False),
             schedule=type(policy).layer_schedule,
@@ -287,6 +291,11 @@ class Oracle:
         """Turn this step's probabilities (per query head, per slot) into the entries' scores."""
         if self.rules.accumulate is None:
             return
+        if self.rules.quantile:  # Scissorhands: 1 where a query head gave more than its row's quantile, else 0
+            probs_of = [
+                [float(p > sorted(row)[min(math.floor(self.rules.quantile * len(row)), len(row) - 1)]) for p in row]
+                for row in probs_of
+            ]
         for h, entries in enumerate(heads):
             for slot, e in enumerate(entries):
                 # what KV head h's entry received: its query heads summed, or the mean over every query head

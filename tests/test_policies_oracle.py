@@ -31,6 +31,8 @@ VARIANTS = {
     "snapkv-no-pooling": lambda: make_policy("snapkv", BUDGET, heavy=4, recent=4, observation=1, kernel=1),
     "cam": lambda: make_policy("cam", BUDGET, sinks=2, merge_span=3),
     "cam-wide-span": lambda: make_policy("cam", BUDGET, sinks=1, merge_span=32, merge_seed=5),
+    "scissorhands": lambda: make_policy("scissorhands", BUDGET, heavy=5, recent=3, history=4, quantile=0.75),
+    "scissorhands-median": lambda: make_policy("scissorhands", BUDGET, heavy=7, recent=1, history=30, quantile=0.5),
     "keyformer": lambda: make_policy("keyformer", BUDGET, heavy=5, recent=3, tau_steps=40),
     "keyformer-hot": lambda: make_policy(
         "keyformer", BUDGET, heavy=6, recent=2, tau_init=0.5, tau_end=4.0, tau_steps=7, gumbel_seed=12345

@@ -237,3 +237,42 @@ def test_shrinking_every_part_to_nothing_without_sinks_leaves_them_all_empty():
     assert shrink_parts({"heavy": 3, "recent": 5}, 8) == {"heavy": 0, "recent": 0}
     # with sinks, they give up what the others could not
     assert shrink_parts({"sinks": 4, "recent": 5}, 7) == {"sinks": 2, "recent": 0}
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [dict(accumulate="sum", quantile=0.9), dict(accumulate="window", window=4, quantile=0.9, gumbel=True)],
+    ids=["not-window", "gumbel"],
+)
+def test_counts_above_a_quantile_are_window_scores_of_the_models_attention(declared):
+    with pytest.raises(H2OStreamError, match="^counts above a quantile are window scores of the model's own attention"):
+        Scores(**declared)
+    assert Scores("window", window=4, quantile="q").quantile == "q"
+
+
+def test_a_required_setting_needs_an_example_and_is_refused_when_missing():
+    with pytest.raises(H2OStreamError, match="^the required setting 'classes' needs an example value$"):
+        Setting("classes", "which heads", "", required=True)
+    classes = Setting("classes", "which heads", "", required=True, example="*.0", called="a list of heads")
+    with pytest.raises(H2OStreamError, match="^classes must be given: a list of heads$"):
+        classes.check("")
+    with pytest.raises(H2OStreamError, match="^classes must be text, got 3$"):
+        classes.check(3)
+    assert classes.check("0.1") == "0.1"
+
+
+def test_ranking_by_head_class_needs_scores_and_the_classes_setting():
+    with pytest.raises(H2OStreamError, match="ranks by head_class and needs a scoring"):
+
+        class Unscored(EvictionPolicy):
+            name = "unscored"
+            parts = (HEAVY, RECENT)
+            ranking = "head_class"
+
+    with pytest.raises(H2OStreamError, match="ranks by head class and needs the settings retrieval_heads"):
+
+        class Unclassed(EvictionPolicy):
+            name = "unclassed"
+            parts = (HEAVY, RECENT)
+            scoring = Scores("sum")
+            ranking = "head_class"

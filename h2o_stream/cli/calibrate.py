@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import click
 
-from .options import BooksType, data_option, loading_note, model_options, sliding_option
+from .options import BooksType, command_argv, data_option, loading_note, model_options, sliding_option
 
 
 @click.command("calibrate")
@@ -69,6 +69,7 @@ def calibrate(
         books=books,
         sliding=sliding,
     )
+    classification["command"] = " ".join(command_argv())  # how to make it again
     write_classification(out, classification, overwrite=force)
     layers = classification["policy_layers"]
     heads = sum(len(classification["older_mass"][layer]) for layer in layers)

@@ -23,13 +23,16 @@ def attend_with_scores(
     squares=False,
     virtual_logits=None,
     window=0,
+    quantile=0.0,
     gumbel=None,
 ):
     """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
     (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
     share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
     over the queries of the square of what each query gave (its query heads summed first). With `window`,
-    (batch, kv_heads, k_len, min(q_len, window)): what each of the last `window` queries gave, oldest first.
+    (batch, kv_heads, k_len, min(q_len, window)): what each of the last `window` queries gave, oldest first; with
+    a `quantile` as well, not their probabilities but how many of the KV head's query heads gave the key more than
+    the quantile of their row (`above_quantile`).
 
     `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
     `virtual_logits` (q_heads,), if given, is the logit of a virtual key without a value that takes its share of every
@@ -66,11 +69,11 @@ def attend_with_scores(
             (logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1, dtype=torch.float32
         )
     if window:
+        observed = given[..., -window:, :]
+        if quantile:
+            observed = above_quantile(observed, mask if mask is None else mask[..., -window:, :], quantile)
         received = (
-            given[..., -window:, :]
-            .sum(dim=2)
-            .transpose(-1, -2)
-            .to(torch.float32 if probs.device.type == "mps" else torch.float64)
+            observed.sum(dim=2).transpose(-1, -2).to(torch.float32 if probs.device.type == "mps" else torch.float64)
         )
     elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
@@ -89,6 +92,21 @@ def attend_with_scores(
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received
+
+
+def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
+    """1.0 where a key got more than the `quantile` of its row, else 0.0: probs (batch, kv_heads, group, q_len, k_len),
+    `mask` the rows' additive mask (batch, 1, q_len, k_len), or None where every query sees every key. A row's
+    quantile is the value at ascending index floor(quantile * n) (at most n - 1) of the n keys it sees; the keys it
+    does not see (probability 0) sort first, so that value is at index (k_len - n) + that index of the whole row."""
+    k_len = probs.shape[-1]
+    seen = torch.full(probs.shape[-2:-1], k_len, device=probs.device).view(1, 1, 1, -1)
+    if mask is not None:
+        seen = torch.isfinite(mask).sum(-1).unsqueeze(1)  # (batch, 1, 1, q_len)
+    index = (k_len - seen) + torch.clamp((quantile * seen).floor().long(), max=seen - 1)
+    ranked = probs.sort(dim=-1).values
+    threshold = ranked.gather(-1, index.unsqueeze(-1).expand(*probs.shape[:-1], 1))
+    return (probs > threshold).to(probs.dtype)
 
 
 def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:

@@ -147,6 +147,7 @@ def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=
             squares=policy.score_squares,
             virtual_logits=extras.sinks,
             window=policy.score_window,
+            quantile=policy.score_quantile,
             gumbel=gumbel,
         )
     else:

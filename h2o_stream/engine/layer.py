@@ -24,7 +24,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..rope_rolling import RopeRoller
 from .attention import band_mask, causal_mask
 from .memo import ordinary, outside_inference_mode
-from .policies import EvictionPolicy
+from .policies import EvictionPolicy, score_updates
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -205,10 +205,10 @@ class StreamingLayer(CacheLayerMixin):
         return keys, self.values
 
     def gumbel_draws(self, length: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The Gumbel noise and temperatures (`EvictionPolicy.gumbel_draws`) of the `length` queries now attending
-        (the last ones appended) over the entries held."""
+        """The Gumbel noise (batch, kv_heads, group, length, entries) and temperatures (length,) of the `length`
+        queries now attending (the last ones appended) over the entries held (policies/score_updates.py)."""
         queries = torch.arange(self.seen - length, self.seen, device=self.device)
-        return self.policy.gumbel_draws(self.index, queries, self._entries()[2], group, dtype)
+        return score_updates.gumbel_draws(self.policy, self.index, queries, self._entries()[2], group, dtype)
 
     def after_attention(self, received: torch.Tensor | None, steps: int = 1) -> None:
         """Fold the attention each entry just received (batch, kv_heads, n) from the forward's `steps` queries into

@@ -251,13 +251,10 @@ class EvictionPolicy:
         """Whether scores come from Gumbel-regularised attention (`Scores.gumbel`), not the model's own."""
         return self.scoring is not None and self.scoring.gumbel
 
-    def gumbel_draws(
-        self, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int, dtype: torch.dtype
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group,
-        q_len, k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads,
-        k_len) given as stream indices (engine/draws.py)."""
-        return score_updates.gumbel_draws(self, layer, queries, keys, group, dtype)
+    @property
+    def score_quantile(self) -> float:
+        """The quantile a query head's row must be above for a "window" score to count it (`Scores.quantile`), or 0."""
+        return 0.0 if self.scoring is None else float(self._value_of(self.scoring.quantile))
 
     def _value_of(self, declared: float | str) -> float:
         """A `Scores` number as declared: the number itself, or the value of the setting it names."""
@@ -361,6 +358,7 @@ class EvictionPolicy:
         if (
             self.budget is None
             or self.ranking not in ("age", "score", "mean")
+            or self.score_window
             or self.gumbel
             or self.eviction != "drop"
         ):

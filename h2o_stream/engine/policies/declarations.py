@@ -65,8 +65,9 @@ class Setting:
     argument, `default` its value when not given. A bool default makes it a flag; a number's value must lie in
     `within` (low, high], checked when the policy is made (`called` names it in the error); a str default makes it
     text, which the policy reads itself. A `required` setting has no default a policy can run with (head_hybrid's
-    head classification): making the policy without it is refused, and `example` is a value that runs on any model
-    (what the tests give; `h2o-stream leaderboard` leaves such a policy out unless it is named)."""
+    head classification): making the policy without it is refused (`h2o-stream leaderboard` leaves such a policy
+    out unless it is named). `example`: a value that runs on any model and in a tiny cache, what the tests give
+    (required settings need one)."""
 
     name: str
     help: str
@@ -134,6 +135,11 @@ class Scores:
     over every query head of the layer, one decision per layer; or the name of a bool setting: "kv" when it is true,
     else "layer" (TOVA's per_head).
 
+    `quantile` (with "window"; a number or the name of the setting holding it, 0: off): what a query gives an entry
+    is not its attention but how many of the query heads reading its KV head gave it more than the `quantile` of
+    that head's row (the value at ascending index floor(quantile * n) of the n keys the query sees), so that the
+    score counts the latest queries that found the entry important (Scissorhands' persistence of importance).
+
     `gumbel`: what an entry receives is not the model's attention but its Gumbel-regularised twin (Keyformer), per
     query softmax((logits + g) / tau) with a seeded Gumbel draw g per query head, query and key (engine/draws.py)
     and a temperature tau rising from `tau_init` to `tau_end` over the stream's first `tau_steps` queries; the policy
@@ -143,6 +149,7 @@ class Scores:
     heads: str = "kv"
     decay: float | str = 1.0
     window: int | str = 0
+    quantile: float | str = 0.0
     gumbel: bool = False
 
     def __post_init__(self):
@@ -154,6 +161,8 @@ class Scores:
             )
         if self.accumulate == "window" and not self.window:
             raise H2OStreamError("window scores need the window's length (a number or a setting's name)")
+        if self.quantile and (self.accumulate != "window" or self.gumbel):
+            raise H2OStreamError("counts above a quantile are window scores of the model's own attention")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """The rankings a policy can declare (`EvictionPolicy.ranking`), on tensors: each gives the entries between the sinks
 and the recent window a rank, and a cut keeps the highest (`keep_top`; ties to the older entry).
 
-- "score": the score (attention accumulated as the policy's `Scores` say);
+- "score": the score (attention accumulated as the policy's `Scores` say; "window" scores summed over their queries);
 - "mean": RoCo's: the score over the entry's age (sum and sum of squares: `Scores("moments")`); the policy's
   `volatile` entries of highest variance ranked above every mean;
 - "key_diversity": KeyDiff's: least cosine similarity to the mean unit key of everything the KV head holds;
@@ -29,7 +29,8 @@ from .slots import ages, keep_top, top_slots
 
 
 def by_score(policy, positions, scores, **_):
-    return scores[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
+    total = scores.sum(-1) if policy.score_window else scores  # "window": what the latest queries gave, summed
+    return total[..., policy.protected_sinks : positions.shape[-1] - policy.protected_recent]
 
 
 def by_mean(policy, positions, scores, **_):

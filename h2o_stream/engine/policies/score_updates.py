@@ -1,7 +1,7 @@
 """How a policy's scores take in the attention a forward gave its entries, by the accumulation its `Scores`
 declares: the update of the scores (`EvictionPolicy.update_scores`), a chunk's query weights (`query_weights`) and
-the draws of Gumbel-regularised scores (`gumbel_draws`); base.py's methods call these. Tensor functions: torch is
-imported where it is used (the registry loads this module without it)."""
+the draws of Gumbel-regularised scores (`gumbel_draws`, which the layer calls); base.py's methods call the others.
+Tensor functions: torch is imported where it is used (the registry loads this module without it)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,9 @@ def _decays(alpha: float, length: int) -> torch.Tensor:
 def gumbel_draws(
     policy, layer: int, queries: torch.Tensor, keys: torch.Tensor, group: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`policy.gumbel_draws`: the noise and the temperatures, from the policy's Gumbel settings (engine/draws.py)."""
+    """What Gumbel-regularised scores need in one forward of layer `layer`: the noise (batch, kv_heads, group, q_len,
+    k_len) and each query's temperature (q_len,), for `queries` (q_len,) and `keys` (batch, kv_heads, k_len) given as
+    stream indices, from the policy's Gumbel settings (engine/draws.py)."""
     from ..draws import gumbel_noise, temperatures
 
     noise = gumbel_noise(policy.gumbel_seed, layer, group, queries, keys, dtype)

@@ -1,0 +1,60 @@
+"""scissorhands: counts of the latest queries whose heads gave an entry more than a quantile of their row (the
+threshold as the official code takes it), against a plain count, in exact mode and in masked chunk rows; its
+settings refused on the command line with one error each."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from h2o_stream import make_policy
+from h2o_stream.engine.attention import above_quantile
+from ppl_helpers import ppl_error, write_corpus
+
+
+def plain_above(row: list[float], quantile: float) -> list[float]:
+    """1 where a value beats the one at ascending index floor(quantile * n) (at most n - 1) of the n given."""
+    threshold = sorted(row)[min(math.floor(quantile * len(row)), len(row) - 1)]
+    return [float(p > threshold) for p in row]
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.5, 0.99, 1.0])
+def test_above_quantile_counts_what_beats_each_rows_quantile_among_the_keys_it_sees(quantile):
+    generator = torch.Generator().manual_seed(0)
+    probs = torch.rand(1, 2, 3, 4, 12, generator=generator, dtype=torch.float64)  # (batch, kv, group, q_len, k_len)
+    mask = torch.zeros(1, 1, 4, 12, dtype=torch.float64)
+    for q in range(4):  # a chunk's causal tail: query q sees the first 9 + q keys
+        mask[0, 0, q, 9 + q :] = float("-inf")
+        probs[..., q, 9 + q :] = 0.0
+    counted = above_quantile(probs, mask, quantile)
+    for kv in range(2):
+        for g in range(3):
+            for q in range(4):
+                seen = probs[0, kv, g, q, : 9 + q].tolist()
+                assert counted[0, kv, g, q, : 9 + q].tolist() == plain_above(seen, quantile)
+                assert not counted[0, kv, g, q, 9 + q :].any()
+    everything = above_quantile(probs[..., -1:, :], None, quantile)  # no mask: every key seen
+    assert everything[0, 1, 2, 0].tolist() == plain_above(probs[0, 1, 2, 3].tolist(), quantile)
+
+
+def test_the_default_split_keeps_the_official_recent_window_of_ten():
+    policy = make_policy("scissorhands", 256)
+    assert (policy.heavy, policy.recent, policy.history, policy.quantile) == (246, 10, 100, 0.9)
+    assert policy.drop_one() is None and policy.cuts_nest  # tensor path; one fixed order of the counts
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--history", 0, "history (scissorhands' history window) must be a whole number in (0, 65536], got 0"),
+        ("--quantile", 0, "quantile (scissorhands' importance quantile) must be a number in (0, 1], got 0.0"),
+        ("--quantile", 1.5, "quantile (scissorhands' importance quantile) must be a number in (0, 1], got 1.5"),
+    ],
+)
+def test_bad_settings_are_refused_with_one_error(ppl_model_dir, tmp_path, capsys, option, value, message):
+    corpus = write_corpus(tmp_path / "corpus.jsonl")
+    args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 40, "--cache-size", 16, "--out", tmp_path / "o"]
+    assert message in ppl_error(capsys, *args, "--policy", "scissorhands", option, value)
+    assert not (tmp_path / "o").exists()
