@@ -30,6 +30,7 @@ SUITES = {
     "split": "eval.split:split",
     "profile": "eval.fair_profile:profile",
     "coverage": "eval.coverage_report:coverage",
+    "calibration": "eval.calibration:calibration",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
@@ -43,6 +44,7 @@ SUMMARIES = {
     "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
     "split": "The heavy-hitter share of h2o and h2o_sinks, chosen on some books, reported on others.",
     "profile": "Where fair chunks spend the time their raw twin does not, operator by operator (torch profiler).",
+    "calibration": "head_hybrid's head classifications per model and cache size (parts: run, figure).",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
     "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
     "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",

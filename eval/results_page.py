@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from eval.attention import models_section
+from eval.calibration import calibration_section
 from eval.common import BadInput, scrub_command
 from eval.fair_profile import profile_section
 from eval.serve_load import serve_section
@@ -635,6 +636,7 @@ SECTIONS = (
     leaderboard_section,
     models_section,
     split_section,
+    calibration_section,
     long_section,
     quality_section,
     speed_section,

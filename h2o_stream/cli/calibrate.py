@@ -69,10 +69,21 @@ def calibrate(
         books=books,
         sliding=sliding,
     )
-    classification["command"] = " ".join(command_argv())  # how to make it again
+    classification["command"] = recorded_command(command_argv())  # how to make it again
     write_classification(out, classification, overwrite=force)
     layers = classification["policy_layers"]
     heads = sum(len(classification["older_mass"][layer]) for layer in layers)
     chosen = classification["retrieval_heads"]
     count = 0 if chosen == "none" else len(chosen.split(","))
     click.echo(f"{count} of {heads} KV heads retrieval ({chosen}); wrote {out}")
+
+
+def recorded_command(argv: list[str]) -> str:
+    """The command line as the file records it: the text read named by its file name, not where it lay."""
+    from pathlib import Path
+
+    words = list(argv)
+    for i, word in enumerate(words[:-1]):
+        if word == "--data" and words[i + 1] != "sample":
+            words[i + 1] = Path(words[i + 1]).name
+    return " ".join(words)
