@@ -4,6 +4,7 @@ files and models, each with one error and exit status 2, nothing written."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -119,3 +120,24 @@ def test_a_classification_of_another_model_or_no_classification_is_refused(ppl_m
 
 def test_the_leaderboard_runs_head_hybrid_only_when_named():
     assert "head_hybrid" not in BOUNDED.split(",") and "h2o_sinks" in BOUNDED.split(",")
+
+
+def test_eval_calibration_runs_what_is_missing_and_draws_the_committed_files(tmp_path, monkeypatch, capsys):
+    import shutil
+
+    import eval.calibration as suite
+    from eval.__main__ import main as eval_main
+
+    committed = Path(__file__).resolve().parents[1] / suite.OUT  # (tests run in a temporary directory)
+    shutil.copy(committed / "smollm2-256.json", tmp_path / "smollm2-256.json")
+    monkeypatch.setattr(suite, "OUT", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        eval_main(["calibration", "run", "--data", "books.jsonl", "--dry-run"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("--cache-size ")[1].split()[0] for line in lines] == ["128", "512"]  # 256 is there
+    assert lines[0].startswith("h2o-stream calibrate --data books.jsonl --books 1-20 --cache-size 128")
+    monkeypatch.setattr(suite, "OUT", committed)
+    with pytest.raises(SystemExit) as done:
+        eval_main(["calibration", "figure", "--out", str(tmp_path / "figure.png")])
+    assert done.value.code == 0 and (tmp_path / "figure.png").stat().st_size > 10_000
