@@ -69,6 +69,24 @@ def run_against_oracle(spec, kv_heads: int, rolling: bool, *, steps: int):
     return cache
 
 
+def first_head_ever_differs(engine_spec, oracle_spec, ids: torch.Tensor) -> bool:
+    """Whether the engine running `engine_spec` and the oracle running `oracle_spec` ever keep different entries in
+    layer 0, KV head 0, fed `ids` token by token on a tiny llama with 2 KV heads: what shows that a test against the
+    oracle can fail."""
+    from h2o_stream import StreamingCache
+    from tiny_models import tiny_model
+
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    oracle = Oracle.for_policy(model, oracle_spec)
+    cache = StreamingCache(model, engine_spec)
+    differs = False
+    for t in range(ids.shape[1]):
+        model(ids[:, t : t + 1], cache=cache)
+        oracle.step(int(ids[0, t]))
+        differs |= cache.layers[0].positions[0, 0].tolist() != oracle.kept_positions(0, 0)
+    return differs
+
+
 def rope(x: torch.Tensor, position: int, inv_freq: torch.Tensor) -> torch.Tensor:
     angle = position * inv_freq
     cos, sin = torch.cos(angle), torch.sin(angle)
