@@ -52,6 +52,26 @@ class BadInput(click.ClickException):
     exit_code = 2
 
 
+retrieval_heads_option = click.option(
+    "--retrieval-heads",
+    default=None,
+    help="head_hybrid's retrieval heads (needed to run it): a head classification file from h2o-stream calibrate, "
+    "or LAYER.HEAD pairs.",
+)
+
+
+def suite_policy(name: str, cache_size: int | None, tokenizer=None, retrieval_heads: str | None = None):
+    """`make_policy` for a suite's policy list: head_hybrid takes --retrieval-heads, and without it is one clear
+    error (exit status 2) rather than a traceback."""
+    from h2o_stream import make_policy
+
+    if name != "head_hybrid":
+        return make_policy(name, cache_size, tokenizer=tokenizer)
+    if retrieval_heads is None:
+        raise BadInput("head_hybrid needs --retrieval-heads (a head classification file from h2o-stream calibrate)")
+    return make_policy(name, cache_size, tokenizer=tokenizer, retrieval_heads=retrieval_heads)
+
+
 _invocation: list[str] = []
 
 

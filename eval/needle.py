@@ -34,7 +34,17 @@ from types import SimpleNamespace
 import click
 import torch
 
-from eval.common import RESULTS, BadInput, command_line, corpus_record, data_option, load_model, relative
+from eval.common import (
+    RESULTS,
+    BadInput,
+    command_line,
+    corpus_record,
+    data_option,
+    load_model,
+    relative,
+    retrieval_heads_option,
+    suite_policy,
+)
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.apps.perplexity.stream import default_span
 from h2o_stream.apps.summarize import build_prompt, encode
@@ -47,8 +57,7 @@ from h2o_stream.loading.corpus import describe_source, read_book
 NEEDLE = "The secret passkey is {key}. Remember it."
 QUESTION = "What is the secret passkey?"
 PRIMER = "The secret passkey is"
-STREAMED = tuple(name for name, cls in POLICIES.items() if not cls.required_options)  # head_hybrid: calibrated
-VARIANTS = STREAMED + ("truncation",)
+VARIANTS = (*POLICIES, "truncation")
 
 
 @click.command()
@@ -68,6 +77,7 @@ VARIANTS = STREAMED + ("truncation",)
     show_default=True,
     help=f"Any of {','.join(VARIANTS)}.",
 )
+@retrieval_heads_option
 @click.option("--trials", default=3, show_default=True)
 @click.option(
     "--books",
@@ -175,7 +185,8 @@ def run_streamed(
     """All cells of one trial for a streamed variant, as a tree of shared reads: the filler is read once; at each
     needle position a branch (a copy of the cache) reads the needle and the filler after it; at each document end on
     that branch a copy reads the question and answers. Chunks are `chunk` tokens, cut short at branch points."""
-    policy = make_policy(variant, None if variant == "full" else args.cache_size, tokenizer=tokenizer)
+    cache_size = None if variant == "full" else args.cache_size
+    policy = suite_policy(variant, cache_size, tokenizer, args.retrieval_heads)
     filler, chunk = trial["filler"], args.chunk_size or default_chunk_size(policy)
     span = default_span(chunk)  # scanned forwards: decisions every `chunk` tokens, inside forwards of `span`
     context = model.config.max_position_embeddings
@@ -376,6 +387,8 @@ def main(args) -> None:
             raise click.BadParameter(
                 f"unknown variant {v!r}: choose from {', '.join(VARIANTS)}", param_hint="--policies"
             )
+    if "head_hybrid" in variants:  # a missing or bad classification fails before the model loads
+        suite_policy("head_hybrid", args.cache_size, None, args.retrieval_heads)
     books = [b.strip() for b in args.books.split(",")]
     loaded = load_model(args.model)
     model, tokenizer = loaded.model, loaded.tokenizer
@@ -447,6 +460,10 @@ def write(args, model_name, prompt, trials, variants, lengths, depths, results, 
     settings = {k: v for k, v in vars(args).items() if k != "out_path"}
     settings["data"] = corpus_record(args.data)
     settings["out"], settings["model"] = relative(args.out), args.model and relative(args.model)
+    if args.retrieval_heads is None:  # recorded where head_hybrid ran
+        del settings["retrieval_heads"]
+    else:
+        settings["retrieval_heads"] = relative(args.retrieval_heads)
     text = table(results, variants, lengths, depths, args.cache_size)
     payload = {
         "description": __doc__.split("\n\n")[0],

@@ -38,8 +38,10 @@ from eval.common import (
     model_option,
     new_figure,
     paired_bars,
+    retrieval_heads_option,
     save_figure,
     setup,
+    suite_policy,
     time_chunks,
     write_result,
 )
@@ -331,12 +333,18 @@ def plot_scan(report: dict, path: Path) -> None:
 @data_option
 @model_option
 @out_dir_option
-def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads, data, model_spec, out_dir):
+@retrieval_heads_option
+def fair(
+    policies, cache_size, rounds, round_tokens, exact_round_tokens, threads, data, model_spec, out_dir, retrieval_heads
+):
     """Fair chunks vs their raw twin, forward by forward: fair_chunks_chunked.json, fair_chunks_exact.json."""
     setup(threads)
-    loaded = load_model(model_spec)
     names = policies.split(",")
-    chunks = {n: default_chunk_size(make_policy(n, cache_size, tokenizer=loaded.tokenizer)) for n in names}
+    if "head_hybrid" in names:  # a missing or bad classification fails before the model loads
+        suite_policy("head_hybrid", cache_size, None, retrieval_heads)
+    loaded = load_model(model_spec)
+    made = {n: suite_policy(n, cache_size, loaded.tokenizer, retrieval_heads) for n in names}
+    chunks = {n: default_chunk_size(made[n]) for n in names}
     for kind, group, tokens in (
         ("chunked", [n for n in names if chunks[n] > 1], round_tokens),
         ("exact", [n for n in names if chunks[n] == 1], exact_round_tokens),
@@ -345,7 +353,7 @@ def fair(policies, cache_size, rounds, round_tokens, exact_round_tokens, threads
             continue
         prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
         stream = corpus_tokens(loaded.tokenizer, prefix + rounds * tokens, data)
-        rows = {name: _fair_row(loaded, name, cache_size, stream, rounds, tokens) for name in group}
+        rows = {name: _fair_row(loaded, name, made[name], stream, rounds, tokens) for name in group}
         report = {
             "benchmark": "fair chunks vs the raw chunked forward",
             "model": loaded.name,
@@ -397,11 +405,11 @@ def twin_caches(model, policy, stream: torch.Tensor) -> tuple[dict, int, int]:
 
 
 @torch.no_grad()
-def _fair_row(loaded, name: str, cache_size: int, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
+def _fair_row(loaded, name: str, policy, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
     """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
     Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
     each round's own pair)."""
-    model, policy = loaded.model, make_policy(name, cache_size, tokenizer=loaded.tokenizer)
+    model = loaded.model
     timed = stream[twin_prefix(model, policy) :]
     caches, chunk, held = twin_caches(model, policy, stream)
     caches["raw_inference"] = copy.deepcopy(caches["raw"])

@@ -1,4 +1,5 @@
-"""The fused sink path (flash kernel + log-sum-exp merge) against the explicit-softmax reference."""
+"""The fused paths (the sink path's flash kernel + log-sum-exp merge; a latest-query policy's fused attention and one
+row of probabilities) against the explicit-softmax reference."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import pytest
 import torch
 
 from h2o_stream.engine.attention import (
+    attend_scoring_last_query,
     attend_with_scores,
     attend_with_sink_queries,
     band_bias,
@@ -37,6 +39,31 @@ def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads, 
         reference, _ = attend_with_scores(query, key, value, mask, 0.2, None, sink_query, sinks)
         assert fused.shape == reference.shape == (batch, length, q_heads, dim)
         assert torch.allclose(fused, reference, atol=1e-5, rtol=0), (recent, (fused - reference).abs().max())
+
+
+@pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])
+@pytest.mark.parametrize("mask_form", ["bool", "additive", "none"])
+def test_latest_query_scores_with_fused_attention_equal_explicit_softmax(batch, q_heads, kv_heads, mask_form):
+    torch.manual_seed(1)
+    cached, length, dim = 40, 16 if mask_form != "none" else 1, 32
+    query = torch.randn(batch, length, q_heads, dim).transpose(1, 2)
+    key, value = (
+        torch.randn(batch, kv_heads, cached + length, dim) * 2,
+        torch.randn(batch, kv_heads, cached + length, dim),
+    )
+    visible = (torch.arange(cached + length) <= torch.arange(cached, cached + length).unsqueeze(-1))[None, None]
+    visible = visible & (torch.arange(cached + length) != 3)  # a key hidden from every query, the last included
+    mask = {"bool": visible, "none": None}.get(mask_form)
+    if mask_form == "additive":
+        mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
+    output, received = attend_scoring_last_query(query, key, value, mask, 0.2)
+    reference, expected = attend_with_scores(query, key, value, mask, 0.2, last_query=True)
+    assert output.shape == reference.shape and received.shape == expected.shape == (batch, kv_heads, cached + length)
+    assert torch.allclose(output, reference, atol=1e-5, rtol=0), (output - reference).abs().max()
+    assert torch.allclose(received, expected, atol=1e-6, rtol=0), (received - expected).abs().max()
+    if mask is not None:
+        assert (received[..., 3] == 0).all()  # what the last query does not see receives nothing
+    assert torch.allclose(received.sum(-1), torch.full((batch, kv_heads), float(q_heads // kv_heads)))
 
 
 def test_fused_sink_attention_refuses_chunks_that_start_among_the_sinks():

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from h2o_stream import StreamingCache, make_policy
-from h2o_stream.engine.draws import entry_uniforms
+from h2o_stream.engine.draws import entry_uniforms, entry_uniforms_on_tensors
 from h2o_stream.engine.policies.merging import merge_evicted
 from h2o_stream.errors import H2OStreamError
 from oracle import Oracle, Rules, entry_uniform
@@ -83,9 +83,12 @@ def test_a_merge_happens_with_the_attention_ratio_as_its_chance():
     assert 160 <= merges <= 240
 
 
-def test_the_coins_are_the_designs_hash_of_layer_head_and_position():
-    positions = torch.randint(0, 1 << 31, (2, 3, 7), generator=torch.Generator().manual_seed(1))
-    coins = entry_uniforms(11, 4, positions)
+@pytest.mark.parametrize("draw", [entry_uniforms, entry_uniforms_on_tensors])  # compiled on CPU; any device
+def test_the_coins_are_the_designs_hash_of_layer_head_and_position(draw):
+    positions = torch.randint(0, 1 << 33, (2, 3, 7), generator=torch.Generator().manual_seed(1))
+    positions = positions.transpose(0, 1).contiguous().transpose(0, 1)  # as a cut may hand them: not contiguous
+    coins = draw(11, 4, positions)
+    assert coins.dtype == torch.float64 and coins.shape == positions.shape
     assert all(
         coins[b, h, i].item() == entry_uniform(11, 4, h, positions[b, h, i].item())
         for b in range(2)

@@ -277,6 +277,18 @@ def test_needle_keeps_its_schema(model_dir, tmp_path):
     assert out.with_suffix(".png").is_file()
 
 
+def test_needle_runs_head_hybrid_with_its_classification_and_records_it(model_dir, tmp_path):
+    out = tmp_path / "needle"
+    suite(
+        "needle",
+        *("--model", str(model_dir), "--cache-size", "96", "--lengths", "256", "--depths", "1", "--trials", "1"),
+        *("--policies", "head_hybrid", "--retrieval-heads", "*.0", "--out", str(out)),
+    )
+    written = written_json(out.with_suffix(".json"))
+    assert written["settings"]["retrieval_heads"] == "*.0"
+    assert {row["variant"] for row in written["results"]} == {"head_hybrid"}
+
+
 def test_soak_chat_and_defaults_keep_their_schemas(model_dir, tmp_path):
     suite(
         "soak",
@@ -399,6 +411,16 @@ def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     assert done.value.code == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"Error: no policy has a run in both {empty} and {empty}"]
     assert not (tmp_path / "gap.json").exists()
+
+
+@pytest.mark.parametrize("command", [["needle"], ["speed", "fair"]])
+def test_head_hybrid_in_a_suite_without_its_classification_is_one_error_line(command, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--policies", "sink,head_hybrid", "--model", str(tmp_path / "never-loaded")])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "Error: head_hybrid needs --retrieval-heads (a head classification file from h2o-stream calibrate)"
+    ]
 
 
 def test_attention_by_distance_splits_every_layers_mass_and_refuses_a_window_too_short(tiny, tmp_path):

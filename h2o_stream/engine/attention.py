@@ -4,6 +4,7 @@ for chunked sink attention. Pure tensor functions; the cache and the hooks that 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .memo import memoised
 
@@ -92,6 +93,24 @@ def attend_with_scores(
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
     return output, received
+
+
+def attend_scoring_last_query(query, key, value, mask, scaling):
+    """What `attend_with_scores(..., last_query=True)` returns for plain attention (no soft-capping, sink queries,
+    virtual logits or draws), the same up to float rounding: every query's output from torch's fused attention, and
+    only the last query's probabilities made explicitly (batch, kv_heads, k_len), its query heads summed. A chunk of
+    a policy that scores the latest query need not write out the (q_len x k_len) probabilities of the others."""
+    batch, q_heads, _, dim = query.shape
+    kv_heads = key.shape[1]
+    group = q_heads // kv_heads
+    output = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask, scale=scaling, enable_gqa=group > 1
+    ).transpose(1, 2)
+    logits = torch.matmul((query[..., -1:, :] * scaling).reshape(batch, kv_heads, group, dim), key.transpose(-1, -2))
+    if mask is not None:  # the last query's row of the mask (batch, 1, q_len, k_len)
+        last = mask[:, :, -1:, :]
+        logits = logits.masked_fill(~last, float("-inf")) if last.dtype == torch.bool else logits + last
+    return output, torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
 
 
 def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:

@@ -131,12 +131,35 @@ def _mix64(x):  # pragma: no cover (compiled)
 def entry_uniforms(seed: int, layer: int, positions: torch.Tensor) -> torch.Tensor:
     """One uniform in (0, 1) per entry of `positions` (batch, kv_heads, n; stream indices), float64: for KV head h,
     u = (mix(head_key(seed, layer, h) ^ mix(p + salt)) // 2**9 + 1/2) / 2**23."""
+    if positions.device.type == "cpu":  # one compiled pass instead of ~20 small tensor operations at every cut
+        uniform = torch.empty(positions.shape, dtype=torch.float64)
+        heads = _head_bits(seed, layer, positions.shape[1], 1, positions.device).view(-1)
+        _entry_uniforms(heads.numpy(), positions.numpy(), uniform.numpy())
+        return uniform
+    return entry_uniforms_on_tensors(seed, layer, positions)
+
+
+def entry_uniforms_on_tensors(seed: int, layer: int, positions: torch.Tensor) -> torch.Tensor:
+    """`entry_uniforms` with tensor operations (any device)."""
     kv_heads = positions.shape[1]
     heads = torch.tensor(
         [head_key(seed, layer, h) for h in range(kv_heads)], dtype=torch.long, device=positions.device
     ).view(1, kv_heads, 1)
     hashed = mix(heads ^ mix((positions + _SALT) & _MASK))
     return ((hashed >> 9).to(torch.float64) + 0.5) * 2.0**-23
+
+
+@numba.njit(cache=True, boundscheck=False)
+def _entry_uniforms(heads, positions, out):  # pragma: no cover (compiled; tested against the tensor operations)
+    """u of every entry into `out` (batch, kv_heads, n) float64: `heads` (kv_heads,) int32 patterns of head_key,
+    `positions` (batch, kv_heads, n) stream indices."""
+    batch, kv_heads, n = positions.shape
+    for b in range(batch):
+        for kv in range(kv_heads):
+            start = np.uint64(heads[kv]) & np.uint64(_MASK)
+            for j in range(n):
+                hashed = _mix64(start ^ _mix64((np.uint64(positions[b, kv, j]) + np.uint64(_SALT)) & np.uint64(_MASK)))
+                out[b, kv, j] = (np.float64(hashed >> np.uint64(9)) + 0.5) * 2.0**-23
 
 
 def temperatures(tau_init: float, tau_end: float, steps: int, queries: torch.Tensor) -> torch.Tensor:

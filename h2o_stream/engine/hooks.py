@@ -29,6 +29,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import (
+    attend_scoring_last_query,
     attend_with_scores,
     attend_with_sink_queries,
     causal_additive_mask,
@@ -127,7 +128,15 @@ def _layer_attention(layer, query, key, value, scaling, extras: Extras):
 def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=None, sinks=0):
     """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention)."""
     policy = layer.policy
-    if policy.needs_scores or not extras.plain or sink_query is not None:
+    if (
+        policy.score_queries == "last"
+        and query.shape[-2] > 1
+        and extras.plain
+        and sink_query is None
+        and not policy.gumbel
+    ):
+        output, received = attend_scoring_last_query(query, key, value, mask, scaling)
+    elif policy.needs_scores or not extras.plain or sink_query is not None:
         # exact mode (one query) needs no weights: every weight would be 1
         weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
         gumbel = (
