@@ -324,6 +324,8 @@ class EvictionPolicy:
             both = key_diversity_twice(self, then, positions, **extra)
             if both is not None:
                 return both
+        if scores is not None and self.score_window:  # rankings read a window's sum: gather one column, not all
+            scores = scores.sum(-1, keepdim=True)
         first = self.keep(positions, scores, **extra)
         second = then.keep(
             at_slots(positions, first),

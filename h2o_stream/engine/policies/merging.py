@@ -36,15 +36,17 @@ def merge_evicted(
     order = torch.where(kept, n, slot).sort(dim=-1).values[..., :evicted]  # evicted slots, ascending
     attention = scores.to(torch.float64)
     after = attention.flip(-1).cumsum(-1).flip(-1) - attention  # attention summed over the entries after each
-    ratio = attention / (after / (n - 1 - slot).clamp(min=1))
+    # the evicted entries' chances and coins only (batch, kv_heads, evicted): the kept ones' are never read
+    attention, after = attention.gather(-1, order), after.gather(-1, order)
+    ratio = attention / (after / (n - 1 - order).clamp(min=1))
     chance = torch.nan_to_num(ratio, nan=0.0, posinf=1.0).clamp(max=1.0)
-    coins = entry_uniforms(seed, layer, positions) < chance  # (batch, kv_heads, n): whose coin says merge
+    coins = entry_uniforms(seed, layer, positions.gather(-1, order)) < chance  # whose coin says merge
     # Merging one after another, oldest first, is one linear map: with W[t, j] = (evicted entry j merges) / span for
     # the `span` slots t after it, the evicted values v' solve v' = v + L v' (L: W's rows at the evicted slots,
     # strictly lower triangular, since an entry only reaches those after it), and every value then gains W v'.
     # Half-precision values are merged in float32: the CPU's triangular solve takes no half types.
     work = torch.promote_types(values.dtype, torch.float32)
-    weights = coins.gather(-1, order).to(work) / span  # (batch, kv_heads, evicted)
+    weights = coins.to(work) / span  # (batch, kv_heads, evicted)
     distance = slot.view(1, 1, n, 1) - order.unsqueeze(-2)  # (batch, kv_heads, n, evicted)
     spread = ((distance > 0) & (distance <= span)).to(work) * weights.unsqueeze(-2)
     rows = order.unsqueeze(-1)
