@@ -318,7 +318,7 @@ def plot_scan(report: dict, path: Path) -> None:
 @click.option(
     "--policies",
     show_default=True,
-    default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer,cam",
+    default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer,cam,scissorhands",
 )
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", default=5, show_default=True)
