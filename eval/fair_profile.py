@@ -36,7 +36,7 @@ SHOWN = 8
 
 
 @click.command()
-@click.option("--policies", default="sink,cam,snapkv,pyramid,keyformer", show_default=True)
+@click.option("--policies", default="sink,cam,snapkv,pyramid,keyformer,scissorhands", show_default=True)
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--rounds", type=click.IntRange(min=1), default=3, show_default=True)
 @click.option("--round-tokens", type=click.IntRange(min=1), default=256, show_default=True)
