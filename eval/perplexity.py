@@ -41,6 +41,8 @@ from eval.common import (
 
 GAP_TARGET = 0.01
 RUNS = RESULTS / "quality" / "runs"
+#: head_hybrid's classes at cache 256 (chosen on books 1-20 by `h2o-stream calibrate`, not on the stream measured)
+HEAD_CLASSES_256 = ["--retrieval-heads", str(RESULTS / "calibration" / "smollm2-256.json")]
 #: the committed run folders under RUNS: (folder, policies, options besides --data, --cache-size 256, --threads 1,
 #: --resume), in the order they were made
 PPL_RUNS = (
@@ -56,6 +58,10 @@ PPL_RUNS = (
     ("tova-60k/chunked", "tova", ["--tokens", "60000", "--chunk-size", "16"]),  # tova's default chunk then
     ("exact", "keyformer,cam", ["--exact", "--tokens", "20000"]),
     ("chunked", "keyformer,cam", ["--tokens", "20000"]),
+    ("exact", "snapkv,pyramid,scissorhands", ["--exact", "--tokens", "20000"]),
+    ("chunked", "snapkv,pyramid,scissorhands", ["--tokens", "20000"]),
+    ("exact", "head_hybrid", ["--exact", "--tokens", "20000", *HEAD_CLASSES_256]),
+    ("chunked", "head_hybrid", ["--tokens", "20000", *HEAD_CLASSES_256]),
 )
 
 

@@ -335,6 +335,7 @@ def long_section(res: Results, page: Path) -> list[str]:
     for folder, what in (
         ("long_4m", "The 4M-token runs at cache 256"),
         ("long_fair", "The 1M-token fair-chunk runs at cache 128, 256 and 512"),
+        ("long_fair_gemma3", "Gemma 3 270M: the 1M-token fair-chunk runs at cache 256"),
     ):
         report = res.get(f"{folder}/report.json")
         if report:
