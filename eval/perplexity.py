@@ -58,8 +58,8 @@ PPL_RUNS = (
     ("tova-60k/chunked", "tova", ["--tokens", "60000", "--chunk-size", "16"]),  # tova's default chunk then
     ("exact", "keyformer,cam", ["--exact", "--tokens", "20000"]),
     ("chunked", "keyformer,cam", ["--tokens", "20000"]),
-    ("exact", "snapkv,pyramid,scissorhands", ["--exact", "--tokens", "20000"]),
-    ("chunked", "snapkv,pyramid,scissorhands", ["--tokens", "20000"]),
+    ("exact", "snapkv,pyramid,scissorhands", ["--exact", "--tokens", "20000", "--workers", "1"]),
+    ("chunked", "snapkv,pyramid,scissorhands", ["--tokens", "20000", "--workers", "1"]),
     ("exact", "head_hybrid", ["--exact", "--tokens", "20000", *HEAD_CLASSES_256]),
     ("chunked", "head_hybrid", ["--tokens", "20000", *HEAD_CLASSES_256]),
 )

@@ -31,6 +31,7 @@ from eval.results_page import (
     unexpected,
     verdict,
 )
+from eval.verdicts import long_by_model, target
 
 README = Path("README.md")
 MARKER = re.compile(r"^<!-- (/?)render:([\w-]+) -->[ \t]*\r?$", re.MULTILINE)
@@ -97,39 +98,6 @@ def models(res: Results) -> list[str]:
         ]
     lines += long_by_model(res)
     return lines[:-1]
-
-
-#: the 1M-token fair-chunk runs, one folder per model (each has sink and others at cache 256)
-LONG_BY_MODEL = ("long_fair", "long_fair_gemma3")
-
-
-def long_by_model(res: Results, size: int = 256) -> list[str]:
-    """In words, per model with a long-run report: each policy at cache `size` against sinks over the whole run
-    (its PPL ratio and the windows in which it was lower than sinks), followed by a blank line; nothing if no report
-    has such runs."""
-    said, sources = [], []
-    for folder in LONG_BY_MODEL:
-        report = res.get(f"{folder}/report.json")
-        runs = {n: c for n, c in (report or {}).get("vs_sink", {}).items() if n.endswith(f"-{size}")}
-        if not runs:
-            continue
-        first = next(iter(runs.values()))
-        model = (report["runs"][next(iter(runs))].get("model") or "unnamed model").split(" (")[0]
-        ranked = sorted(runs.items(), key=lambda item: item[1]["ppl_ratio"])
-        windows = f" windows of {report['window']:,} tokens lower than sinks"
-        others = ", ".join(
-            f"{name.rsplit('-', 1)[0]} {pct(cmp['ppl_ratio'] - 1)} ({cmp['windows_lower_than_sink']} of "
-            f"{cmp['windows_compared']}{windows if i == 0 else ''})"
-            for i, (name, cmp) in enumerate(ranked)
-        )
-        tokens = first["predicted_tokens"] + 1
-        said.append(f"on {model} over {tokens:,} tokens, sinks {num(first['sink_ppl'])}; {others}")
-        sources.append(source(res, f"{folder}/report.json"))
-    if not said:
-        return []
-    return [f"**Over a million tokens at cache {size}:** " + "; ".join(said) + ".", ""] + [
-        line for text in sources for line in (text, "")
-    ]
 
 
 def split(res: Results) -> list[str]:
@@ -302,6 +270,7 @@ BLOCKS = {
     "headline": headline,
     "leaderboard": leaderboard,
     "models": models,
+    "target": target,
     "split": split,
     "long": long,
     "speed": speed,
