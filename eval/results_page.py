@@ -463,10 +463,12 @@ def speed_section(res: Results, page: Path) -> list[str]:
             set(range(1, 2 * len(counts) + 1)),
         )
         lines += [source(res, "speed/exact_scan.json"), ""] + res.figure("speed/exact_scan.png", page, "scan")
-    for name in res.names("speed/fair_chunks_*.json"):
+    # the committed table (speed/), then the same measurement at other thread counts (speed/*/)
+    for name in (*res.names("speed/fair_chunks_*.json"), *res.names("speed/*/fair_chunks_*.json")):
         r = res.get(name)
+        label = name.removeprefix("speed/").removesuffix(".json")
         lines += [
-            f"### Fair chunks vs their raw twin (`{Path(name).stem}`), {r['environment']['threads']} thread(s)",
+            f"### Fair chunks vs their raw twin (`{label}`), {r['environment']['threads']} thread(s)",
             "",
         ]
         lines += table(
