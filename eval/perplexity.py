@@ -356,6 +356,8 @@ LONG_RUNS = {
             ["--cache-size", "256", "--policy", "sink,sepllm,h2o", "--tokens", "1048576"],
             ["--cache-size", "128,512", "--policy", "sink,h2o", "--tokens", "1048576"],
             ["--cache-size", "256", "--policy", "cam", "--tokens", "1048576"],
+            # the new policies' best two at 256 on the 250k leaderboard: cam, then snapkv
+            ["--cache-size", "256", "--policy", "snapkv", "--tokens", "1048576", "--checkpoint-every", "10000"],
         ],
         100_000,
     ),
