@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
-from h2o_stream import make_policy
-from h2o_stream.engine.attention import above_quantile
+from h2o_stream import StreamingCache, make_policy
+from h2o_stream.engine.attention import above_quantile, window_counts
 from ppl_helpers import ppl_error, write_corpus
+from tiny_models import random_ids, tiny_model
 
 
 def plain_above(row: list[float], quantile: float) -> list[float]:
@@ -37,6 +39,52 @@ def test_above_quantile_counts_what_beats_each_rows_quantile_among_the_keys_it_s
                 assert not counted[0, kv, g, q, 9 + q :].any()
     everything = above_quantile(probs[..., -1:, :], None, quantile)  # no mask: every key seen
     assert everything[0, 1, 2, 0].tolist() == plain_above(probs[0, 1, 2, 3].tolist(), quantile)
+
+
+@pytest.mark.parametrize("quantile", [0.9, 0.5, 0.7, 1.0])
+def test_the_compiled_count_equals_the_tensor_path(quantile, monkeypatch):
+    """engine/compiled_counts.py against above_quantile summed over the group: rows of two batch rows with their
+    own masks, probabilities with ties (a coarse grid) and zeros, float32 and float64."""
+    generator = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.float64):
+        probs = (torch.randint(0, 6, (2, 3, 4, 5, 40), generator=generator) / 8).to(dtype)
+        mask = torch.zeros(2, 1, 5, 40, dtype=dtype)
+        for b, first in ((0, 30), (1, 33)):  # each row of the batch sees its own number of keys
+            for q in range(5):
+                mask[b, 0, q, first + q :] = float("-inf")
+                probs[b, ..., q, first + q :] = 0.0
+        counts = {}
+        for compiled in ("0", "1"):
+            monkeypatch.setenv("H2O_STREAM_COMPILED", compiled)
+            counts[compiled] = window_counts(probs, mask, quantile).to(torch.float64)
+        assert counts["1"].shape == (2, 3, 40, 5)
+        assert (counts["1"].sum() > 0) == (quantile < 1)  # nothing beats a row's largest value
+        assert torch.equal(counts["1"], counts["0"])
+
+
+def test_the_compiled_selection_finds_every_rank_of_rows_with_ties():
+    from h2o_stream.engine.compiled_counts import _select
+
+    rng = np.random.default_rng(0)
+    for n in (1, 2, 3, 7, 64, 257):
+        for row in (rng.random(n), rng.integers(0, 3, n).astype(np.float32), np.zeros(n), np.arange(n, 0, -1.0)):
+            ranked = np.sort(row)
+            assert [_select(row.copy(), k) for k in range(n)] == ranked.tolist()
+
+
+def test_scissorhands_chunks_are_the_same_compiled_and_on_tensors(monkeypatch):
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(90)
+    runs = []
+    for compiled in ("0", "1"):
+        monkeypatch.setenv("H2O_STREAM_COMPILED", compiled)
+        cache = StreamingCache(model, make_policy("scissorhands", 16, heavy=12, recent=4, history=6, quantile=0.75))
+        logits = torch.cat([model(ids[:, i : i + 4], cache=cache).logits for i in range(0, 90, 4)], dim=1)
+        runs.append((logits, [layer.positions for layer in cache.layers], cache.evicted))
+    (tensor, tensor_kept, evicted), (compiled_logits, compiled_kept, compiled_evicted) = runs
+    assert evicted > 0 and compiled_evicted == evicted
+    assert torch.equal(compiled_logits, tensor)
+    assert all(torch.equal(a, b) for a, b in zip(compiled_kept, tensor_kept, strict=True))
 
 
 def test_the_default_split_keeps_the_official_recent_window_of_ten():

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from .memo import memoised
+from .switch import compiled_part
 
 
 def attend_with_scores(
@@ -72,10 +73,10 @@ def attend_with_scores(
     if window:
         observed = given[..., -window:, :]
         if quantile:
-            observed = above_quantile(observed, mask if mask is None else mask[..., -window:, :], quantile)
-        received = (
-            observed.sum(dim=2).transpose(-1, -2).to(torch.float32 if probs.device.type == "mps" else torch.float64)
-        )
+            received = window_counts(observed, mask if mask is None else mask[..., -window:, :], quantile)
+        else:
+            received = observed.sum(dim=2).transpose(-1, -2)
+        received = received.to(torch.float32 if probs.device.type == "mps" else torch.float64)
     elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
         per_query = (given[..., -1:, :] if last_query else given).sum(dim=2)
@@ -113,22 +114,40 @@ def attend_scoring_last_query(query, key, value, mask, scaling):
     return output, torch.softmax(logits, dim=-1, dtype=torch.float32).sum(dim=2)
 
 
+def window_counts(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
+    """(batch, kv_heads, k_len, q_len): per key and query, how many of the KV head's query heads gave the key more
+    than the `quantile` of their row (`above_quantile`, summed over the group; float64 on the CPU). Compiled where it
+    can be (engine/compiled_counts.py: the same numbers in one pass), else on tensors."""
+    counting = compiled_part("compiled_counts")
+    if counting is None or probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64):
+        return above_quantile(probs, mask, quantile).sum(dim=2).transpose(-1, -2)
+    seen = keys_seen(probs, mask).reshape(-1, probs.shape[-2]).expand(probs.shape[0], -1).contiguous()
+    return counting.counts_above(probs, seen, quantile)
+
+
 def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
     """1.0 where a key got more than the `quantile` of its row, else 0.0: probs (batch, kv_heads, group, q_len, k_len),
     `mask` the rows' additive mask (batch, 1, q_len, k_len), or None where every query sees every key. A row's
     quantile is the value at ascending index floor(quantile * n) (at most n - 1) of the n keys it sees; the keys it
     does not see (probability 0) sort first, so that value is at index (k_len - n) + that index of the whole row."""
     k_len = probs.shape[-1]
-    seen = torch.full(probs.shape[-2:-1], k_len, device=probs.device).view(1, 1, 1, -1)
-    if mask is not None:
-        seen = torch.isfinite(mask).sum(-1).unsqueeze(1)  # (batch, 1, 1, q_len)
-    index = (k_len - seen) + torch.clamp((quantile * seen).floor().long(), max=seen - 1)
+    seen = keys_seen(probs, mask)
+    # floor(quantile * n) in float64, as Python (and the compiled count) take it
+    index = (k_len - seen) + torch.clamp((quantile * seen.to(torch.float64)).floor().long(), max=seen - 1)
     # The value at ascending index i is the (k_len - 1 - i)-th of the row's largest: the few largest of every row
     # (one partial sort) hold every row's threshold, where sorting whole rows took most of a chunk's time.
     from_top = (k_len - 1) - index.expand(*probs.shape[:-1])
     largest = probs.topk(int(from_top.max()) + 1, dim=-1).values
     threshold = largest.gather(-1, from_top.unsqueeze(-1))
     return (probs > threshold).to(probs.dtype)
+
+
+def keys_seen(probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """How many keys each row of `probs` (batch, kv_heads, group, q_len, k_len) sees: (batch or 1, 1, 1, q_len)
+    int64, from the additive `mask` (batch, 1, q_len, k_len), or every key (mask None)."""
+    if mask is None:
+        return torch.full(probs.shape[-2:-1], probs.shape[-1], device=probs.device).view(1, 1, 1, -1)
+    return torch.isfinite(mask).sum(-1).unsqueeze(1)
 
 
 def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:

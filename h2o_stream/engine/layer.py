@@ -15,9 +15,6 @@ Invariants:
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -25,6 +22,7 @@ from ..rope_rolling import RopeRoller
 from .attention import band_mask, causal_mask
 from .memo import ordinary, outside_inference_mode
 from .policies import EvictionPolicy, score_updates
+from .switch import compiled_part
 
 
 class StreamingLayer(CacheLayerMixin):
@@ -349,20 +347,8 @@ class StreamingLayer(CacheLayerMixin):
 
 
 def compiled_loop():
-    """engine/compiled.py, or None where it cannot run (numba not installed) or is switched off
-    (H2O_STREAM_COMPILED=0, read at every forward)."""
-    if os.environ.get("H2O_STREAM_COMPILED", "1") == "0":
-        return None
-    return _import_compiled()
-
-
-@functools.cache
-def _import_compiled():
-    try:
-        from . import compiled
-    except ImportError:
-        return None
-    return compiled
+    """engine/compiled.py, or None where it cannot run or is switched off (engine/switch.py)."""
+    return compiled_part("compiled")
 
 
 def _take(x: torch.Tensor, rows: torch.Tensor, kept: int) -> torch.Tensor:
