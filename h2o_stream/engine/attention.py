@@ -121,8 +121,8 @@ def window_counts(probs: torch.Tensor, mask: torch.Tensor | None, quantile: floa
     counting = compiled_part("compiled_counts")
     if counting is None or probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64):
         return above_quantile(probs, mask, quantile).sum(dim=2).transpose(-1, -2)
-    seen = keys_seen(probs, mask).reshape(-1, probs.shape[-2]).expand(probs.shape[0], -1).contiguous()
-    return counting.counts_above(probs, seen, quantile)
+    index = threshold_index(probs, mask, quantile).reshape(-1, probs.shape[-2]).expand(probs.shape[0], -1)
+    return counting.counts_above(probs, index.contiguous())
 
 
 def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
@@ -131,9 +131,7 @@ def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: flo
     quantile is the value at ascending index floor(quantile * n) (at most n - 1) of the n keys it sees; the keys it
     does not see (probability 0) sort first, so that value is at index (k_len - n) + that index of the whole row."""
     k_len = probs.shape[-1]
-    seen = keys_seen(probs, mask)
-    # floor(quantile * n) in float64, as Python (and the compiled count) take it
-    index = (k_len - seen) + torch.clamp((quantile * seen.to(torch.float64)).floor().long(), max=seen - 1)
+    index = threshold_index(probs, mask, quantile)
     # The value at ascending index i is the (k_len - 1 - i)-th of the row's largest: the few largest of every row
     # (one partial sort) hold every row's threshold, where sorting whole rows took most of a chunk's time.
     from_top = (k_len - 1) - index.expand(*probs.shape[:-1])
@@ -142,12 +140,17 @@ def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: flo
     return (probs > threshold).to(probs.dtype)
 
 
-def keys_seen(probs: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """How many keys each row of `probs` (batch, kv_heads, group, q_len, k_len) sees: (batch or 1, 1, 1, q_len)
-    int64, from the additive `mask` (batch, 1, q_len, k_len), or every key (mask None)."""
+def threshold_index(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
+    """Where each row's quantile sits in the ascending whole row of `probs` (batch, kv_heads, group, q_len, k_len):
+    (k_len - n) + min(floor(quantile * n), n - 1), n the keys the row sees by the additive `mask` (batch, 1, q_len,
+    k_len; None: every key), as (batch or 1, 1, 1, q_len) int64 (see `above_quantile`)."""
+    k_len = probs.shape[-1]
     if mask is None:
-        return torch.full(probs.shape[-2:-1], probs.shape[-1], device=probs.device).view(1, 1, 1, -1)
-    return torch.isfinite(mask).sum(-1).unsqueeze(1)
+        seen = torch.full(probs.shape[-2:-1], k_len, device=probs.device).view(1, 1, 1, -1)
+    else:
+        seen = torch.isfinite(mask).sum(-1).unsqueeze(1)
+    # floor(quantile * n) in float64, as Python takes it
+    return (k_len - seen) + torch.clamp((quantile * seen.to(torch.float64)).floor().long(), max=seen - 1)
 
 
 def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:
