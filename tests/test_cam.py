@@ -65,6 +65,29 @@ def test_merging_at_once_is_merging_one_after_another(trial):
     assert torch.allclose(merged, expected, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_compiled_merges_are_the_linear_solves_to_float_rounding(dtype, monkeypatch):
+    """The compiled merges (one after another) against the tensor path's triangular solve, evicted entries in each
+    other's span and heads evicting different slots; both compare with merging by hand."""
+    generator = torch.Generator().manual_seed(5)
+    positions = torch.arange(60).view(1, 1, 60).expand(2, 3, 60).contiguous()
+    values = torch.randn(2, 3, 60, 8, generator=generator, dtype=dtype)
+    scores = torch.rand(2, 3, 60, generator=generator, dtype=torch.float64)
+    # each head evicts 20 slots (a cut keeps the budget in every head): a run within each other's span, the rest apart
+    kept = torch.ones(2, 3, 60, dtype=torch.bool)
+    kept[..., 7:19] = False
+    for b, h in itertools.product(range(2), range(3)):
+        kept[b, h, 20 + torch.randperm(40, generator=generator)[:8]] = False
+    compiled = merge_evicted(values, positions, scores, kept, span=5, seed=2, layer=3)
+    monkeypatch.setenv("H2O_STREAM_COMPILED", "0")
+    solved = merge_evicted(values, positions, scores, kept, span=5, seed=2, layer=3)
+    by_hand = _one_after_another(values.double(), positions, scores, kept, 5, 2, 3)
+    assert compiled.dtype == solved.dtype == dtype and not torch.equal(solved, values)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-12
+    assert torch.allclose(compiled.double(), by_hand, atol=tolerance, rtol=0)
+    assert torch.allclose(compiled, solved, atol=tolerance, rtol=0)
+
+
 def test_a_merge_happens_with_the_attention_ratio_as_its_chance():
     """An entry at half the mean attention after it merges half the time, by its seeded coin."""
     n = 4001

@@ -27,6 +27,7 @@ def merge_evicted(
     import torch
 
     from ..draws import entry_uniforms
+    from ..switch import compiled_part
 
     n = positions.shape[-1]
     slot = torch.arange(n, device=positions.device)
@@ -41,6 +42,14 @@ def merge_evicted(
     ratio = attention / (after / (n - 1 - order).clamp(min=1))
     chance = torch.nan_to_num(ratio, nan=0.0, posinf=1.0).clamp(max=1.0)
     coins = entry_uniforms(seed, layer, positions.gather(-1, order)) < chance  # whose coin says merge
+    compiled = compiled_part("compiled_merge")
+    if (
+        compiled is not None
+        and values.device.type == "cpu"
+        and values.dtype in (torch.float32, torch.float64)
+        and not values.requires_grad  # autograd goes through the tensor path
+    ):
+        return compiled.merge_in_order(values, order, coins, span)  # the same merges, one after another
     # Merging one after another, oldest first, is one linear map: with W[t, j] = (evicted entry j merges) / span for
     # the `span` slots t after it, the evicted values v' solve v' = v + L v' (L: W's rows at the evicted slots,
     # strictly lower triangular, since an entry only reaches those after it), and every value then gains W v'.
