@@ -318,12 +318,11 @@ class EvictionPolicy:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
         keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. A fair chunk of a policy
         whose cuts do not nest needs both before the next chunk; made as one, the layer gathers its tensors once."""
-        if self.ranking == "key_diversity":
-            from .ranking import key_diversity_twice
+        from .ranking import BOTH_CUTS  # a ranking's two cuts made as one, where it has such a way
 
-            both = key_diversity_twice(self, then, positions, **extra)
-            if both is not None:
-                return both
+        both = BOTH_CUTS[self.ranking](self, then, positions, scores, **extra) if self.ranking in BOTH_CUTS else None
+        if both is not None:
+            return both
         if scores is not None and self.score_window:  # rankings read a window's sum: gather one column, not all
             scores = scores.sum(-1, keepdim=True)
         first = self.keep(positions, scores, **extra)

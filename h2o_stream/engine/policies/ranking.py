@@ -25,6 +25,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loa
     import torch
 
 from ..memo import memoised
+from ..switch import compiled_part
 from .slots import ages, keep_top, top_slots
 
 
@@ -138,7 +139,7 @@ def anchor_similarity(keys: torch.Tensor) -> torch.Tensor:
     return similarity_to(keys, inverse_norms, inverse_norms)
 
 
-def key_diversity_twice(first, then, positions, *, keys):
+def key_diversity_twice(first, then, positions, scores, *, keys, **_):
     """Both cuts of a fair chunk for "key_diversity" (`EvictionPolicy.keep_twice`) from one pass over the keys: the
     second cut's anchor is the sum of the unit keys the first cut keeps (their inverse norms as weights, 0 for the
     dropped), and it ranks among the entries between the sinks and its own, shorter, recent window, the dropped ones
@@ -157,3 +158,25 @@ def key_diversity_twice(first, then, positions, *, keys):
     # The first cut keeps the last `recent` >= then's entries, so `then`'s window is the last slots here too.
     ranks = (-similarity).masked_fill_(~kept, float("-inf"))[..., sinks : n - then.protected_recent]
     return keep_top(ranks, then.ranked_slots, sinks=sinks, recent=then.protected_recent)
+
+
+def pooled_twice(first, then, positions, scores, **_):
+    """Both cuts of a fair chunk for "pooled" (`EvictionPolicy.keep_twice`) compiled (engine/compiled_pooled.py):
+    the slots cutting twice keeps, or None where the tensor path runs (no numba, H2O_STREAM_COMPILED=0, scores off
+    the CPU or not float64)."""
+    import torch
+
+    compiled = compiled_part("compiled_pooled")
+    if compiled is None or scores.device.type != "cpu" or scores.dtype != torch.float64:
+        return None
+    totals = scores.sum(-1) if first.score_window else scores  # as `by_pooled` sums them
+    cuts = [(p.protected_sinks, p.ranked_slots, p.protected_recent) for p in (first, then)]
+    return compiled.pooled_keep_twice(totals, *cuts, first.kernel, first.max_pool).to(scores.device)
+
+
+#: ranking name -> both cuts of a fair chunk as one (first, then, positions, scores, **extra) -> slots, or None where
+#: the two cuts are made one after the other (`EvictionPolicy.keep_twice`)
+BOTH_CUTS: dict[str, Callable[..., torch.Tensor | None]] = {
+    "key_diversity": key_diversity_twice,
+    "pooled": pooled_twice,
+}
