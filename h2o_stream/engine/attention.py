@@ -56,7 +56,7 @@ def attend_with_scores(
     logits = logits.view(batch, kv_heads, group, q_len, k_len)
     if mask is not None:
         if mask.dtype == torch.bool:  # additive form on the small (q_len, k_len) mask, then one in-place add
-            mask = torch.zeros(mask.shape, dtype=logits.dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+            mask = additive_mask(mask, logits.dtype)
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
     if virtual_logits is None:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -73,7 +73,9 @@ def attend_with_scores(
     if window:
         observed = given[..., -window:, :]
         if quantile:
-            received = window_counts(observed, mask if mask is None else mask[..., -window:, :], quantile)
+            # the mask itself where the window holds every query: the memoised row lengths are the mask's
+            rows = mask if mask is None or mask.shape[-2] <= window else mask[..., -window:, :]
+            received = window_counts(observed, rows, quantile)
         else:
             received = observed.sum(dim=2).transpose(-1, -2)
         received = received.to(torch.float32 if probs.device.type == "mps" else torch.float64)
@@ -143,10 +145,15 @@ def above_quantile(probs: torch.Tensor, mask: torch.Tensor | None, quantile: flo
 def threshold_index(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
     """Where each row's quantile sits in the ascending whole row of `probs` (batch, kv_heads, group, q_len, k_len):
     (k_len - n) + min(floor(quantile * n), n - 1), n the keys the row sees by the additive `mask` (batch, 1, q_len,
-    k_len; None: every key), as (batch or 1, 1, 1, q_len) int64 (see `above_quantile`)."""
-    k_len = probs.shape[-1]
+    k_len; None: every key), as (batch or 1, 1, 1, q_len) int64 (see `above_quantile`). Memoised by the mask object
+    (every layer of a forward shares it); never modify the result."""
+    return _threshold_index(mask, quantile, *probs.shape[-2:], probs.device)
+
+
+@memoised(16)
+def _threshold_index(mask: torch.Tensor | None, quantile: float, q_len: int, k_len: int, device) -> torch.Tensor:
     if mask is None:
-        seen = torch.full(probs.shape[-2:-1], k_len, device=probs.device).view(1, 1, 1, -1)
+        seen = torch.full((q_len,), k_len, device=device).view(1, 1, 1, -1)
     else:
         seen = torch.isfinite(mask).sum(-1).unsqueeze(1)
     # floor(quantile * n) in float64, as Python takes it
@@ -230,6 +237,13 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     forwards need the same few shapes in every layer (and block). Never modify the result."""
     rows = torch.arange(k_len - q_len, k_len, device=device).unsqueeze(-1)
     return (torch.arange(k_len, device=device) <= rows)[None, None]
+
+
+@memoised(16)
+def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool `mask` (True = attend) in additive form: 0 where visible, -inf elsewhere. Memoised by the mask object
+    (the cache's masks are memoised, and every layer of a forward shares one); never modify the result."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
 @memoised(64)

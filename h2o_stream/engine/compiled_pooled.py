@@ -31,7 +31,7 @@ def pooled_keep_twice(
     highest pooled totals between them and its last `recent` slots, and those; `then` cuts what `first` kept."""
     batch, kv_heads, _ = totals.shape
     out = np.empty((batch, kv_heads, sum(then)), dtype=np.int64)
-    _keep_twice(totals.contiguous().numpy(), *first, *then, kernel, max_pool, out)
+    _keep_twice(totals.detach().contiguous().numpy(), *first, *then, kernel, max_pool, out)
     return torch.from_numpy(out)
 
 
