@@ -21,7 +21,7 @@ def _both_ways(first, then, positions, scores, monkeypatch):
 
 @pytest.mark.parametrize("kernel", [1, 3, 5, 7])
 @pytest.mark.parametrize("max_pool", [False, True], ids=["average", "maximum"])
-@pytest.mark.parametrize("chunk", [2, 4, 9])
+@pytest.mark.parametrize("chunk", [2, 4, 9, 30])
 def test_the_compiled_cuts_keep_the_slots_the_tensor_path_keeps(kernel, max_pool, chunk, monkeypatch):
     generator = torch.Generator().manual_seed(kernel * 10 + chunk)
     policy = make_policy("snapkv", 40, recent=6, kernel=kernel, max_pool=max_pool)

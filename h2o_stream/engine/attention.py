@@ -150,7 +150,7 @@ def threshold_index(probs: torch.Tensor, mask: torch.Tensor | None, quantile: fl
     return _threshold_index(mask, quantile, *probs.shape[-2:], probs.device)
 
 
-@memoised(16)
+@memoised(64)
 def _threshold_index(mask: torch.Tensor | None, quantile: float, q_len: int, k_len: int, device) -> torch.Tensor:
     if mask is None:
         seen = torch.full((q_len,), k_len, device=device).view(1, 1, 1, -1)
@@ -239,10 +239,11 @@ def causal_mask(q_len: int, k_len: int, device: torch.device) -> torch.Tensor:
     return (torch.arange(k_len, device=device) <= rows)[None, None]
 
 
-@memoised(16)
+@memoised(64)
 def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A bool `mask` (True = attend) in additive form: 0 where visible, -inf elsewhere. Memoised by the mask object
-    (the cache's masks are memoised, and every layer of a forward shares one); never modify the result."""
+    (the cache's masks are memoised: the layers of a forward share one, a layer with a budget of its own has its own,
+    the same every forward); never modify the result."""
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 

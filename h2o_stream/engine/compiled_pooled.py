@@ -5,8 +5,8 @@ kept, at the smaller budget.
 On tensors the two cuts take two dozen small operations per layer and chunk (slices, pooling, two stable sorts per
 cut, gathers to carry the survivors' scores into the second cut). Here one loop per KV head pools, selects and
 composes. The pooling adds the same scores in the same order and divides as `avg_pool1d` does (or takes the
-maximum, as `max_pool1d`), and the selection is the same stable order (highest first, ties to the older entry), so
-the slots kept are the tensor path's (tests/test_snapkv.py). CPU only, float64 scores. Numba compiles it on first
+maximum, as `max_pool1d`), and the selection is the same order (highest first, ties to the older entry), so the slots
+kept are the tensor path's (tests/test_snapkv.py). CPU only, float64 scores. Numba compiles it on first
 use (cached on disk); without numba, or with H2O_STREAM_COMPILED=0, the tensor path runs.
 """
 
@@ -74,11 +74,32 @@ def _keep(totals, sinks, ranked, recent, kernel, max_pool, pooled, out):  # prag
             for j in range(max(i - half, 0), min(i + half + 1, middle)):
                 acc += totals[start + j]
             pooled[i] = acc / kernel
+    # The `ranked` highest, ties to the older, are all but the `middle - ranked` lowest, ties to the newer: a cut
+    # drops few (a fair chunk's), so those few are kept in order (`worst`, lowest first) as the middle goes by.
+    drop = middle - ranked
+    worst = np.empty(max(drop, 0), dtype=np.int64)
+    held = 0
+    for i in range(middle if drop > 0 else 0):
+        value = pooled[i]
+        if held == drop:  # i is newer than every one held: it goes in unless it is higher than the highest held
+            if value > pooled[worst[held - 1]]:
+                continue
+            held -= 1
+        at = held
+        while at > 0 and pooled[worst[at - 1]] >= value:  # after the lower ones; before equal ones (it is newer)
+            worst[at] = worst[at - 1]
+            at -= 1
+        worst[at] = i
+        held += 1
+    dropped = np.zeros(middle, dtype=np.bool_)
+    for k in range(held):
+        dropped[worst[k]] = True
     for i in range(sinks):
         out[i] = i
-    order = np.argsort(-pooled[:middle], kind="mergesort")  # stable: ties in slot order, the older first
-    chosen = np.sort(order[:ranked])
-    for i in range(ranked):
-        out[sinks + i] = start + chosen[i]
+    kept = sinks
+    for i in range(middle):
+        if not dropped[i]:
+            out[kept] = start + i
+            kept += 1
     for i in range(recent):
         out[sinks + ranked + i] = stop + i
