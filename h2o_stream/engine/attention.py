@@ -247,11 +247,9 @@ def additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
 
-@memoised(64)
 def causal_additive_mask(q_len: int, k_len: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """`causal_mask` in additive form: 0 where visible, -inf elsewhere (memoised too; never modify the result)."""
-    visible = causal_mask(q_len, k_len, device)
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    """`causal_mask` in additive form: 0 where visible, -inf elsewhere (memoised through both; never modify it)."""
+    return additive_mask(causal_mask(q_len, k_len, device), dtype)
 
 
 def sink_queries(roller, query: torch.Tensor, cached: int, budget: int, sinks: int) -> torch.Tensor | None:

@@ -171,7 +171,7 @@ def pooled_twice(first, then, positions, scores, **_):
         return None
     totals = scores.sum(-1) if first.score_window else scores  # as `by_pooled` sums them
     cuts = [(p.protected_sinks, p.ranked_slots, p.protected_recent) for p in (first, then)]
-    return compiled.pooled_keep_twice(totals, *cuts, first.kernel, first.max_pool).to(scores.device)
+    return compiled.pooled_keep_twice(totals, *cuts, first.kernel, first.max_pool)
 
 
 #: ranking name -> both cuts of a fair chunk as one (first, then, positions, scores, **extra) -> slots, or None where
