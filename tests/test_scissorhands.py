@@ -63,13 +63,25 @@ def test_the_compiled_count_equals_the_tensor_path(quantile, monkeypatch):
 
 
 def test_the_compiled_selection_finds_every_rank_of_rows_with_ties():
-    from h2o_stream.engine.compiled_counts import _select
+    """Non-negative floats' bit patterns, as the compiled count reads them: every rank of rows with ties, zeros,
+    tiny and huge values, in both widths."""
+    from h2o_stream.engine.compiled_counts import _kth_smallest
 
     rng = np.random.default_rng(0)
     for n in (1, 2, 3, 7, 64, 257):
-        for row in (rng.random(n), rng.integers(0, 3, n).astype(np.float32), np.zeros(n), np.arange(n, 0, -1.0)):
-            ranked = np.sort(row)
-            assert [_select(row.copy(), k) for k in range(n)] == ranked.tolist()
+        rows = (
+            rng.random(n),
+            rng.integers(0, 3, n).astype(np.float32),
+            np.zeros(n),
+            np.arange(n, 0, -1.0),
+            (rng.random(n) ** 40).astype(np.float32),  # subnormals among them
+            np.float64(1e300) * rng.integers(0, 2, n),
+        )
+        for row in rows:
+            patterns = row.view(np.int32 if row.dtype == np.float32 else np.int64)
+            top_bit = row.dtype.itemsize * 8 - 2
+            found = [_kth_smallest(patterns, k, top_bit, np.empty_like(patterns)) for k in range(n)]
+            assert found == np.sort(patterns).tolist()
 
 
 def test_scissorhands_chunks_are_the_same_compiled_and_on_tensors(monkeypatch):
