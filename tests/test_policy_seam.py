@@ -552,3 +552,28 @@ def test_keep_top_is_sinks_then_the_top_ranks_then_the_recent_window():
                 dim=-1,
             )
             assert torch.equal(keep_top(ranks, count, sinks=sinks, recent=recent), expected)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.long])
+def test_keep_top_keeps_the_same_slots_compiled_as_on_tensors(dtype, monkeypatch):
+    """A cut dropping few is compiled on the CPU (engine/compiled_cuts.py): the same slots as the two stable sorts,
+    with many ties, infinities and NaN (above every number, as torch sorts it), for every count it takes and one
+    beyond."""
+    from h2o_stream.engine.compiled_cuts import FEW
+
+    generator = torch.Generator().manual_seed(2)
+    special = [float("nan"), float("inf"), -float("inf")] if dtype.is_floating_point else [-(2**62), 2**62]
+    for _ in range(60):
+        sinks, recent = (int(v) for v in torch.randint(0, 4, (2,), generator=generator))
+        m = int(torch.randint(2, 90, (1,), generator=generator))
+        ranks = torch.randint(0, 5, (2, 3, m), generator=generator).to(dtype)
+        odd = torch.rand(2, 3, m, generator=generator) < 0.1
+        ranks[odd] = torch.tensor(special, dtype=dtype)[torch.randint(0, len(special), (int(odd.sum()),))]
+        for count in {1, m // 2, m - 2, m - FEW, m - FEW - 1} - {m - 1}:
+            if count < 1:
+                continue
+            compiled = keep_top(ranks, count, sinks=sinks, recent=recent)
+            with monkeypatch.context() as patch:
+                patch.setenv("H2O_STREAM_COMPILED", "0")
+                on_tensors = keep_top(ranks, count, sinks=sinks, recent=recent)
+            assert torch.equal(compiled, on_tensors), (m, count)

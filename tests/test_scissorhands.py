@@ -118,3 +118,21 @@ def test_bad_settings_are_refused_with_one_error(ppl_model_dir, tmp_path, capsys
     args = ["--model", ppl_model_dir, "--data", corpus, "--tokens", 40, "--cache-size", 16, "--out", tmp_path / "o"]
     assert message in ppl_error(capsys, *args, "--policy", "scissorhands", option, value)
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("arrived", [1, 3, 5, 7])
+def test_window_scores_move_on_by_the_queries_that_arrived(arrived):
+    """A "window" score keeps what the latest `history` queries gave, oldest first: the columns move left by the
+    queries that arrived, in place, whether the scores are one contiguous block (moved as one flat array) or not."""
+    policy = make_policy("scissorhands", 16, heavy=12, recent=4, history=5)
+    generator = torch.Generator().manual_seed(arrived)
+    before = torch.rand(2, 3, 7, 5, generator=generator, dtype=torch.float64)
+    received = torch.rand(2, 3, 7, arrived, generator=generator, dtype=torch.float64)
+    expected = torch.cat([before, received], dim=-1)[..., -5:]
+    contiguous = before.clone()
+    strided = torch.zeros(2, 3, 7, 9, dtype=torch.float64)[..., 2:7]
+    strided.copy_(before)
+    for scores in (contiguous, strided):
+        policy.update_scores(scores, received, steps=arrived)
+        assert torch.equal(scores, expected)
+    assert not strided.is_contiguous()

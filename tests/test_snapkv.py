@@ -1,4 +1,4 @@
-"""snapkv's (and pyramid's) two cuts of a fair chunk, compiled (engine/compiled_pooled.py), against the tensor
+"""snapkv's (and pyramid's) two cuts of a fair chunk, compiled (engine/compiled_cuts.py), against the tensor
 path: the same slots, with ties, both poolings and several kernels, and a chunked stream bit for bit. Its agreement
 with the oracle is in test_policies_oracle.py."""
 

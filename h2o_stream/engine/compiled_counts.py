@@ -31,9 +31,9 @@ def counts_above(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     batch, kv_heads, _, q_len, k_len = probs.shape
     values = probs.detach().contiguous().numpy()
     patterns = values.view(np.int32 if values.dtype == np.float32 else np.int64)
-    out = np.empty((batch, kv_heads, q_len, k_len), dtype=np.float64)
-    _count(patterns, index.numpy(), values.dtype.itemsize * 8 - 2, out)
-    return torch.from_numpy(out).transpose(-1, -2)
+    out = torch.empty(batch, kv_heads, q_len, k_len, dtype=torch.float64)
+    _count(patterns, index.numpy(), values.dtype.itemsize * 8 - 2, out.numpy())
+    return out.transpose(-1, -2)
 
 
 @_compile

@@ -1,5 +1,5 @@
 """Whether the engine's compiled parts run (engine/compiled.py, engine/compiled_counts.py, engine/compiled_merge.py,
-engine/compiled_pooled.py): not without numba, nor with H2O_STREAM_COMPILED=0 (read at every call, so that one
+engine/compiled_cuts.py): not without numba, nor with H2O_STREAM_COMPILED=0 (read at every call, so that one
 process can compare both ways); the tensor operations run in their place."""
 
 from __future__ import annotations

@@ -161,12 +161,12 @@ def key_diversity_twice(first, then, positions, scores, *, keys, **_):
 
 
 def pooled_twice(first, then, positions, scores, **_):
-    """Both cuts of a fair chunk for "pooled" (`EvictionPolicy.keep_twice`) compiled (engine/compiled_pooled.py):
+    """Both cuts of a fair chunk for "pooled" (`EvictionPolicy.keep_twice`) compiled (engine/compiled_cuts.py):
     the slots cutting twice keeps, or None where the tensor path runs (no numba, H2O_STREAM_COMPILED=0, scores off
     the CPU or not float64)."""
     import torch
 
-    compiled = compiled_part("compiled_pooled")
+    compiled = compiled_part("compiled_cuts")
     if compiled is None or scores.device.type != "cpu" or scores.dtype != torch.float64:
         return None
     totals = scores.sum(-1) if first.score_window else scores  # as `by_pooled` sums them

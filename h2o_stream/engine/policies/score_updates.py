@@ -23,12 +23,24 @@ def update_scores(policy, scores: torch.Tensor, received: torch.Tensor, steps: i
         if arrived >= scores.shape[-1]:
             scores.copy_(received[..., -scores.shape[-1] :])
         else:  # the window moves on by the forward's queries
-            scores[..., :-arrived] = scores[..., arrived:].clone()
-            scores[..., -arrived:] = received
+            _move_window(scores, received)
     elif accumulate == "decay":
         scores.mul_(policy.decay**steps).add_(received)  # `steps` decays, as many steps would
     else:
         scores += received
+
+
+def _move_window(scores: torch.Tensor, received: torch.Tensor) -> None:
+    """Shift the columns of window scores (..., window) left by the `received` columns (..., arrived), in place, and
+    put those last. On the CPU, contiguous scores move as one flat array (numpy moves overlapping memory correctly;
+    each row's last columns take the next row's first, which `received` then overwrites) instead of via a copy."""
+    arrived = received.shape[-1]
+    if scores.device.type == "cpu" and scores.is_contiguous():
+        flat = scores.numpy().reshape(-1)
+        flat[:-arrived] = flat[arrived:]
+    else:
+        scores[..., :-arrived] = scores[..., arrived:].clone()
+    scores[..., -arrived:] = received
 
 
 def query_weights(policy, length: int) -> torch.Tensor | None:

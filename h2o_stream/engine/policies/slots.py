@@ -9,6 +9,7 @@ if TYPE_CHECKING:  # torch is imported where it is used: the policy registry loa
     import torch
 
 from ..memo import memoised
+from ..switch import compiled_part
 
 
 def at_slots(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -42,7 +43,7 @@ def top_slots(ranks: torch.Tensor, count: int, start: int = 0, *, in_slot_order:
 def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> torch.Tensor:
     """What most scored policies keep: the first `sinks` slots, the `count` highest `ranks` among the slots between
     them and the last `recent` (ranks (batch, heads, m) covers exactly those m), and the last `recent`; ascending.
-    Ties as in `top_slots`."""
+    Ties as in `top_slots`. Compiled on the CPU where the cut drops few (engine/compiled_cuts.py, the same slots)."""
     import torch
 
     m = ranks.shape[-1]
@@ -51,6 +52,10 @@ def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> tor
         # Exact mode's usual cut, one entry: every slot but the dropped one, without assembling three parts.
         drop = _lowest_last(ranks)
         return _all_but(drop + sinks if sinks else drop, n, ranks)
+    compiled = compiled_part("compiled_cuts")
+    if compiled is not None and ranks.device.type == "cpu" and 0 < m - count <= compiled.FEW:
+        # A fair chunk's cut drops a chunk's worth: those few found in one pass, not two sorts of every rank.
+        return compiled.keep_highest(ranks, count, sinks, recent)
     parts = [first_slots(sinks, ranks)] if sinks else []
     parts += [top_slots(ranks, count, start=sinks), last_slots(n, recent, ranks)]
     return torch.cat(parts, dim=-1)
