@@ -220,3 +220,36 @@ def test_a_cut_left_to_the_next_chunk_keeps_what_cutting_at_once_keeps(policy, s
     for mine, theirs in zip(left_cache.layers, settled_cache.layers, strict=True):
         assert torch.equal(mine.positions, theirs.positions) and torch.equal(mine.keys, theirs.keys)
         assert mine.slots == theirs.slots == mine.policy.budget
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "keydiff", "sepllm", "cam", "tova"])
+@pytest.mark.parametrize("decide_every", [None, 3], ids=["chunks", "scanned"])
+def test_a_chunk_filling_the_room_its_cut_left_equals_one_concatenating(policy, decide_every, monkeypatch):
+    """A fair chunk's cut gathers into tensors with room for the chunk, which its append fills in place: the same
+    logits, entries and scores bit for bit as concatenating the chunk onto what the cut kept."""
+    from h2o_stream.engine.layer import StreamingLayer
+
+    model = tiny_model("llama", num_key_value_heads=2, init_std=0.2)
+    ids = random_ids(70)
+    fills = StreamingLayer._fills
+    filled = []
+
+    def counted(layer, room, slots):
+        filled.append(fills(layer, room, slots))
+        return filled[-1]
+
+    runs = []
+    for in_place in (True, False):
+        monkeypatch.setattr(StreamingLayer, "_fills", counted if in_place else lambda *_: False)
+        cache = StreamingCache(model, build(policy, 16), decide_every=decide_every)
+        chunk = 6 if decide_every is None else 9
+        with torch.no_grad():
+            logits = torch.cat([model(ids[:, s : s + chunk], cache=cache).logits for s in range(0, 70, chunk)], dim=1)
+        runs.append((logits, [layer.state() for layer in cache.layers]))
+    assert any(filled)
+    (logits, states), (concatenated, concatenated_states) = runs
+    assert torch.equal(logits, concatenated)
+    for state, other in zip(states, concatenated_states, strict=True):
+        assert state.keys() == other.keys()
+        for name, value in state.items():
+            assert torch.equal(value, other[name]) if torch.is_tensor(value) else value == other[name]

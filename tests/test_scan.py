@@ -196,10 +196,10 @@ def test_a_fair_scan_cuts_once_between_blocks(monkeypatch, policy, both_at_once)
     cuts = []
     cut = StreamingLayer._cut
 
-    def counted(layer, p, then=None):
+    def counted(layer, p, then=None, **room):
         if layer is cache.layers[0]:
             cuts.append((p.budget, None if then is None else then.budget))
-        return cut(layer, p, then)
+        return cut(layer, p, then, **room)
 
     monkeypatch.setattr(StreamingLayer, "_cut", counted)
     model(random_ids(20), cache=cache)

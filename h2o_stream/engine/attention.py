@@ -75,10 +75,10 @@ def attend_with_scores(
         if quantile:
             # the mask itself where the window holds every query: the memoised row lengths are the mask's
             rows = mask if mask is None or mask.shape[-2] <= window else mask[..., -window:, :]
-            received = window_counts(observed, rows, quantile)
+            received = window_counts(observed, rows, quantile)  # whole numbers: float32, as the layer keeps them
         else:
             received = observed.sum(dim=2).transpose(-1, -2)
-        received = received.to(torch.float32 if probs.device.type == "mps" else torch.float64)
+            received = received.to(torch.float32 if probs.device.type == "mps" else torch.float64)
     elif squares:
         # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
         per_query = (given[..., -1:, :] if last_query else given).sum(dim=2)
@@ -118,11 +118,11 @@ def attend_scoring_last_query(query, key, value, mask, scaling):
 
 def window_counts(probs: torch.Tensor, mask: torch.Tensor | None, quantile: float) -> torch.Tensor:
     """(batch, kv_heads, k_len, q_len): per key and query, how many of the KV head's query heads gave the key more
-    than the `quantile` of their row (`above_quantile`, summed over the group; float64 on the CPU). Compiled where it
-    can be (engine/compiled_counts.py: the same numbers in one pass), else on tensors."""
+    than the `quantile` of their row (`above_quantile`, summed over the group; float32, exact for whole numbers).
+    Compiled where it can be (engine/compiled_counts.py: the same numbers in one pass), else on tensors."""
     counting = compiled_part("compiled_counts")
     if counting is None or probs.device.type != "cpu" or probs.dtype not in (torch.float32, torch.float64):
-        return above_quantile(probs, mask, quantile).sum(dim=2).transpose(-1, -2)
+        return above_quantile(probs, mask, quantile).sum(dim=2, dtype=torch.float32).transpose(-1, -2)
     index = threshold_index(probs, mask, quantile).reshape(-1, probs.shape[-2]).expand(probs.shape[0], -1)
     return counting.counts_above(probs, index.contiguous())
 

@@ -25,13 +25,13 @@ _compile = numba.njit(cache=True, boundscheck=False, error_model="numpy")
 
 
 def counts_above(probs: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """(batch, kv_heads, k_len, q_len) float64: per key and query, how many of the KV head's query heads gave the key
+    """(batch, kv_heads, k_len, q_len) float32: per key and query, how many of the KV head's query heads gave the key
     more than their row's value at ascending `index` ((batch, q_len) int64, `attention.threshold_index`). `probs`
     (batch, kv_heads, group, q_len, k_len) on the CPU."""
     batch, kv_heads, _, q_len, k_len = probs.shape
     values = probs.detach().contiguous().numpy()
     patterns = values.view(np.int32 if values.dtype == np.float32 else np.int64)
-    out = torch.empty(batch, kv_heads, q_len, k_len, dtype=torch.float64)
+    out = torch.empty(batch, kv_heads, q_len, k_len, dtype=torch.float32)
     _count(patterns, index.numpy(), values.dtype.itemsize * 8 - 2, out.numpy())
     return out.transpose(-1, -2)
 

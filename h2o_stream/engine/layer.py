@@ -10,7 +10,9 @@ Invariants:
 - between forwards a layer holds at most budget entries, or budget + 1 with `cut_pending`: a fair chunk leaves its
   cut of that one entry to the cut before the next chunk (`make_room`), which then cuts once to where both would end
   (a policy whose cuts nest: one cut with the reduced policy; any other: `keep_twice`); `settle` makes the pending cut
-  now (the cache does, before anyone reads it).
+  now (the cache does, before anyone reads it);
+- after `make_room`, the per-slot tensors view the first rows of tensors as many slots longer as the chunk (`_room`),
+  which the chunk's append fills in place of concatenating; anything else that replaces them leaves the room unused.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class StreamingLayer(CacheLayerMixin):
         # (the positions the model rotated this forward's tokens at, this layer's own slots for them), when they
         # differ: a layer running another policy than the lead layer's (a sliding window) has its own slots
         self.moved: tuple[range | tuple[int, ...], range | tuple[int, ...]] | None = None
+        # what a fair chunk's cut left room in (`make_room`): the per-slot tensors with `length` rows more, the layer's
+        # own tensors viewing their first rows, for the chunk's append to fill in place instead of concatenating
+        self._room: list[torch.Tensor | None] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         batch, heads, _, _ = key_states.shape
@@ -186,21 +191,43 @@ class StreamingLayer(CacheLayerMixin):
             new_positions = self.positions.new_full((batch, heads, 1), self.seen)
         else:
             new_positions = torch.arange(self.seen, self.seen + c, device=self.device).expand(batch, heads, c)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
-        self.positions = torch.cat([self.positions, new_positions], dim=-1)
-        if self.scores is not None:
-            new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
-            self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
-        if self.tokens is not None:
-            new_tokens = tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
-            self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
+        new_tokens = None if self.tokens is None else tokens.to(self.device).unsqueeze(1).expand(batch, heads, c)
+        room, self._room = self._room, None
+        if room is not None and self._fills(room, n + c):
+            for full, new in zip(room, (key_states, value_states, new_positions, None, new_tokens), strict=True):
+                if full is None:
+                    continue
+                if new is None:  # the scores: new entries' start at 0
+                    full.narrow(2, n, c).zero_()
+                else:
+                    full.narrow(2, n, c).copy_(new)
+            self.keys, self.values, self.positions, self.scores, self.tokens = room
+        else:
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+            self.positions = torch.cat([self.positions, new_positions], dim=-1)
+            if self.scores is not None:
+                new_scores = self.scores.new_zeros(batch, heads, c, *self.scores.shape[3:])
+                self.scores = torch.cat([self.scores, new_scores], dim=2)  # pad() is slower
+            if new_tokens is not None:
+                self.tokens = torch.cat([self.tokens, new_tokens], dim=-1)
         self.seen += c
         band = self.policy.band()
         visible = n + c if band is None else min(n + c, sum(band) + 1)  # the last query sees the most
         self.max_keys = max(self.max_keys, visible)
         keys = self.keys if self.roller is None else self.roller.rotate(self.keys, 0, n + c)
         return keys, self.values
+
+    def _fills(self, room: list[torch.Tensor | None], slots: int) -> bool:
+        """Whether `room` (`_room`) is still under the layer's tensors and exactly as long as `slots`, and may be
+        written here (an inference tensor only in inference mode)."""
+        keys = room[0]
+        assert keys is not None and self.keys is not None
+        return (
+            keys.shape[2] == slots
+            and keys.data_ptr() == self.keys.data_ptr()
+            and (not keys.is_inference() or torch.is_inference_mode_enabled())
+        )
 
     def gumbel_draws(self, length: int, group: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The Gumbel noise (batch, kv_heads, group, length, entries) and temperatures (length,) of the `length`
@@ -246,13 +273,14 @@ class StreamingLayer(CacheLayerMixin):
         if kept not in self._reduced:
             self._reduced[kept] = self.policy.reduced(kept)
         if self.cut_pending and kept < budget and not self.policy.cuts_nest:
-            self._cut(self.policy, then=self._reduced[kept])  # the pending cut and this one, as one
+            self._cut(self.policy, then=self._reduced[kept], room=length)  # the pending cut and this one, as one
         else:
-            self._cut(self._reduced[kept])
+            self._cut(self._reduced[kept], room=length)
 
-    def _cut(self, policy: EvictionPolicy, then: EvictionPolicy | None = None) -> None:
+    def _cut(self, policy: EvictionPolicy, then: EvictionPolicy | None = None, room: int = 0) -> None:
         """Keep the `policy.budget` slots `policy` chooses (with `then`: of those, the `then.budget` slots `then`
-        chooses), in every per-slot tensor."""
+        chooses), in every per-slot tensor; with `room`, in tensors `room` slots longer (`_room`) for the next append
+        to fill."""
         budget = policy.budget if then is None else then.budget
         assert budget is not None  # only a bounded policy cuts
         rows = self._kept_rows(policy, then)
@@ -262,13 +290,14 @@ class StreamingLayer(CacheLayerMixin):
             assert self.scores is not None  # merging declares Scores("latest") (validation.py)
             kept = torch.zeros(positions.numel(), dtype=torch.bool, device=self.device).index_fill_(0, rows, True)
             values = policy.merged(values, positions, self.scores, kept.view(positions.shape), self.index)
-        self.keys = _take(keys, rows, budget)
-        self.values = _take(values, rows, budget)
-        self.positions = _take(positions, rows, budget)
-        if self.scores is not None:
-            self.scores = _take(self.scores, rows, budget)
-        if self.tokens is not None:
-            self.tokens = _take(self.tokens, rows, budget)
+        if room:  # each row's last kept slot again as a placeholder in the slots the append fills
+            per_row = rows.view(-1, budget)
+            rows = torch.cat([per_row, per_row[:, -1:].expand(-1, room)], dim=1).view(-1)
+        tensors = (keys, values, positions, self.scores, self.tokens)
+        taken = [None if x is None else _take(x, rows, budget + room) for x in tensors]
+        self._room = taken if room else None
+        kept_slots = [None if x is None else x.narrow(2, 0, budget) for x in taken]
+        self.keys, self.values, self.positions, self.scores, self.tokens = kept_slots
 
     def _kept_rows(self, policy: EvictionPolicy, then: EvictionPolicy | None = None) -> torch.Tensor:
         """`policy`'s kept slots (with `then`: `policy.keep_twice`'s) as rows of the flattened (batch*heads*slots)
@@ -316,15 +345,19 @@ class StreamingLayer(CacheLayerMixin):
         return -1 if budget is None else budget
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = None
+        self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = self._room = None
         self._workspace = None
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 
     @property
     def _score_dtype(self) -> torch.dtype:
-        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64).
-        return torch.float32 if self.device.type == "mps" else torch.float64
+        # float64 so that long sums of small probabilities rank entries stably (MPS has no float64). Counts above a
+        # quantile are whole numbers (at most a window's queries times a group's query heads), exact in float32,
+        # which halves what every chunk appends, shifts and gathers of a window as wide as scissorhands'.
+        if self.device.type == "mps" or self.policy.score_quantile:
+            return torch.float32
+        return torch.float64
 
     def state(self) -> dict:
         """A snapshot (copies: scores are updated in place by later forwards), after any pending cut. A policy without

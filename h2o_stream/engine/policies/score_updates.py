@@ -32,10 +32,11 @@ def update_scores(policy, scores: torch.Tensor, received: torch.Tensor, steps: i
 
 def _move_window(scores: torch.Tensor, received: torch.Tensor) -> None:
     """Shift the columns of window scores (..., window) left by the `received` columns (..., arrived), in place, and
-    put those last. On the CPU, contiguous scores move as one flat array (numpy moves overlapping memory correctly;
-    each row's last columns take the next row's first, which `received` then overwrites) instead of via a copy."""
+    put those last. On the CPU, contiguous scores outside autograd move as one flat array (numpy moves overlapping
+    memory correctly; each row's last columns take the next row's first, which `received` then overwrites) instead
+    of via a copy."""
     arrived = received.shape[-1]
-    if scores.device.type == "cpu" and scores.is_contiguous():
+    if scores.device.type == "cpu" and scores.is_contiguous() and not scores.requires_grad:
         flat = scores.numpy().reshape(-1)
         flat[:-arrived] = flat[arrived:]
     else:
