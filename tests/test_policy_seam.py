@@ -577,3 +577,10 @@ def test_keep_top_keeps_the_same_slots_compiled_as_on_tensors(dtype, monkeypatch
                 patch.setenv("H2O_STREAM_COMPILED", "0")
                 on_tensors = keep_top(ranks, count, sinks=sinks, recent=recent)
             assert torch.equal(compiled, on_tensors), (m, count)
+
+
+def test_keep_top_keeps_half_precision_ranks_on_tensors():
+    """Ranks numpy cannot read (bfloat16) take the two sorts: the same slots as the same ranks in float32."""
+    ranks = torch.randint(0, 4, (1, 2, 30), generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    kept = keep_top(ranks, 26, sinks=2, recent=3)
+    assert torch.equal(kept, keep_top(ranks.float(), 26, sinks=2, recent=3))

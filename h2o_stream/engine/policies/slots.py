@@ -53,7 +53,12 @@ def keep_top(ranks: torch.Tensor, count: int, *, sinks: int, recent: int) -> tor
         drop = _lowest_last(ranks)
         return _all_but(drop + sinks if sinks else drop, n, ranks)
     compiled = compiled_part("compiled_cuts")
-    if compiled is not None and ranks.device.type == "cpu" and 0 < m - count <= compiled.FEW:
+    if (
+        compiled is not None
+        and ranks.device.type == "cpu"
+        and ranks.dtype in (torch.float64, torch.float32, torch.int64)  # what numpy reads (no bfloat16)
+        and 0 < m - count <= compiled.FEW
+    ):
         # A fair chunk's cut drops a chunk's worth: those few found in one pass, not two sorts of every rank.
         return compiled.keep_highest(ranks, count, sinks, recent)
     parts = [first_slots(sinks, ranks)] if sinks else []
