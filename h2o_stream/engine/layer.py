@@ -296,8 +296,9 @@ class StreamingLayer(CacheLayerMixin):
         tensors = (keys, values, positions, self.scores, self.tokens)
         taken = [None if x is None else _take(x, rows, budget + room) for x in tensors]
         self._room = taken if room else None
-        kept_slots = [None if x is None else x.narrow(2, 0, budget) for x in taken]
-        self.keys, self.values, self.positions, self.scores, self.tokens = kept_slots
+        if room:
+            taken = [None if x is None else x.narrow(2, 0, budget) for x in taken]
+        self.keys, self.values, self.positions, self.scores, self.tokens = taken
 
     def _kept_rows(self, policy: EvictionPolicy, then: EvictionPolicy | None = None) -> torch.Tensor:
         """`policy`'s kept slots (with `then`: `policy.keep_twice`'s) as rows of the flattened (batch*heads*slots)
