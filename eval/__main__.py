@@ -17,9 +17,9 @@ from eval.common import invoked_with
 #: suite name -> "module:click command" (a new suite registers here)
 SUITES = {
     "speed": "eval.speed:speed",
-    "quality": "eval.perplexity:quality",
-    "leaderboard": "eval.perplexity:leaderboard",
-    "long": "eval.perplexity:long",
+    "quality": "eval.quality:quality",
+    "leaderboard": "eval.long_runs:leaderboard",
+    "long": "eval.long_runs:long",
     "needle": "eval.needle:needle",
     "soak": "eval.soak:soak",
     "device": "eval.device_check:main",
@@ -36,7 +36,7 @@ SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
     "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence).",
     "leaderboard": "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
-    "long": "The long fair-chunk runs and their report (parts: fair, 4m, report).",
+    "long": "The long fair-chunk runs and their report (parts: fair, fair_gemma3, 4m, report).",
     "needle": "Passkey retrieval through the cache, every policy.",
     "soak": "Long chats and generated text (parts: chat, defaults).",
     "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",

@@ -29,6 +29,7 @@ from eval.common import (
     setup,
     write_result,
 )
+from eval.page import num, source, table
 
 GROUPS = ("sinks", "recent", "older")
 
@@ -165,7 +166,6 @@ def models_section(res, page) -> list[str]:
     """docs/results.md's section on the models themselves (called by eval.results_page): where their attention goes
     (models/attention_by_distance.json) and the real Gemma 3 270M streamed against its own forward
     (models/gemma3_equivalence.json)."""
-    from eval.results_page import num, source, table
 
     lines = []
     attention = res.get("models/attention_by_distance.json")

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from eval.common import RESULTS, new_figure, run_commands, save_figure
+from eval.page import num, table
 
 OUT = RESULTS / "calibration"
 SIZES = (128, 256, 512)
@@ -98,7 +99,6 @@ def plot(classifications: dict[str, dict], path: Path) -> None:
 
 def calibration_section(res, page) -> list[str]:
     """docs/results.md's section on head_hybrid's classifications (calibration/*.json; eval.results_page)."""
-    from eval.results_page import num, table
 
     names = [f"calibration/{name}-{size}.json" for name in MODELS for size in SIZES]
     found = {name: res.get(name) for name in names if res.get(name)}

@@ -44,6 +44,14 @@ data_option = click.option(
 model_option = click.option(
     "--model", "model_spec", default=None, help="Model to load (default: SmolLM2-135M-Instruct)."
 )
+#: --out-dir of `python -m eval speed` and its parts
+speed_out_dir_option = click.option(
+    "--out-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=RESULTS / "speed",
+    show_default=True,
+    help="Where the JSON and PNG files go.",
+)
 
 
 class BadInput(click.ClickException):
@@ -115,6 +123,18 @@ def corpus_record(data: str) -> dict:
     size, sha = corpus_digest(data)
     name = "sample" if data == "sample" else Path(data).name
     return {"name": name, "description": KNOWN_CORPORA.get(sha) or describe_source(data), "bytes": size, "sha256": sha}
+
+
+def corpus_of(settings: dict) -> dict:
+    """The corpus of a `h2o-stream ppl` result as the suites record one: name, what it is, bytes, sha256."""
+    described, sha = settings.get("data", ""), settings.get("data_sha256")
+    name = described.split(":")[0] if described.startswith("sample:") else described.rsplit(" (", 1)[0]
+    return {
+        "name": name,
+        "description": KNOWN_CORPORA.get(sha) or described,
+        "bytes": settings.get("data_bytes"),
+        "sha256": sha,
+    }
 
 
 def load_model(spec: str | None, **options):

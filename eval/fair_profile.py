@@ -30,6 +30,7 @@ from eval.common import (
     setup,
     write_result,
 )
+from eval.page import num, source, table
 
 #: operators shown per policy (the rest of the difference is summed: "other added", "the twin's own")
 SHOWN = 8
@@ -55,7 +56,7 @@ def profile(policies, cache_size, rounds, round_tokens, threads, data, model_spe
 
     setup(threads)
     loaded = load_model(model_spec)
-    from eval.speed import twin_prefix
+    from eval.speed_fair import twin_prefix
 
     prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
     stream = corpus_tokens(loaded.tokenizer, prefix + rounds * round_tokens, data)
@@ -86,7 +87,7 @@ def profile_row(model, policy, stream, rounds: int, tokens: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
-    from eval.speed import twin_caches, twin_prefix  # torch, transformers: not imported to render the page
+    from eval.speed_fair import twin_caches, twin_prefix  # torch, transformers: not imported to render the page
 
     caches, chunk, held = twin_caches(model, policy, stream)
     timed = stream[twin_prefix(model, policy) :]
@@ -155,7 +156,6 @@ GEMMA_FAIR = (
 def profile_section(res, page) -> list[str]:
     """docs/results.md's section on where fair chunks spend their time (called by eval.results_page): sink's fair
     chunks on Gemma 3 270M against their raw twin at 1 and 2 threads, then each committed profile."""
-    from eval.results_page import num, source, table
 
     lines = []
     speeds = [(name, res.get(name)) for name in GEMMA_FAIR if res.get(name)]

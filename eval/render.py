@@ -12,25 +12,11 @@ from pathlib import Path
 
 import click
 
+from eval.boards import board_table, boards, long_table, model_of, ranking_holds, verdict
 from eval.coverage_report import percent as coverage_percent
-from eval.results_page import (
-    PAGE,
-    RenderError,
-    Results,
-    board_table,
-    boards,
-    decode_files,
-    long_table,
-    model_of,
-    num,
-    pct,
-    ranking_holds,
-    results_page,
-    source,
-    table,
-    unexpected,
-    verdict,
-)
+from eval.page import RenderError, Results, num, pct, source, table, unexpected
+from eval.results_page import PAGE, results_page
+from eval.speed_page import decode_files
 from eval.verdicts import long_by_model, target
 
 README = Path("README.md")

@@ -27,6 +27,7 @@ from pathlib import Path
 import click
 
 from eval.common import RESULTS, BadInput, environment, model_option, new_figure, relative, save_figure, write_result
+from eval.page import num, source, table
 
 QUESTIONS = [
     "What is a good name for a cat?",
@@ -304,7 +305,6 @@ def plot(result: dict, path) -> None:
 
 def serve_section(res, page) -> list[str]:
     """docs/results.md's section for eval/results/serve/load.json (called by eval.results_page)."""
-    from eval.results_page import num, source, table
 
     result = res.get("serve/load.json")
     if not result:

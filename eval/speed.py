@@ -12,13 +12,8 @@ forward by forward. rows: a sweep as the rows of one batch vs run by run. startu
 from __future__ import annotations
 
 import contextlib
-import copy
 import os
-import shutil
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -27,8 +22,6 @@ import torch
 from transformers import DynamicCache
 
 from eval.common import (
-    RESULTS,
-    BadInput,
     alternate,
     corpus_record,
     corpus_tokens,
@@ -38,24 +31,18 @@ from eval.common import (
     model_option,
     new_figure,
     paired_bars,
-    retrieval_heads_option,
     save_figure,
     setup,
-    suite_policy,
+    speed_out_dir_option,
     time_chunks,
     write_result,
 )
+from eval.speed_fair import fair
+from eval.speed_startup import startup
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import default_chunk_size
 
 TENSOR_OPS = ", tensor ops"
-out_dir_option = click.option(
-    "--out-dir",
-    type=click.Path(file_okay=False, path_type=Path),
-    default=RESULTS / "speed",
-    show_default=True,
-    help="Where the JSON and PNG files go.",
-)
 threads_option = click.option(
     "--threads",
     default="1,2",
@@ -70,6 +57,10 @@ def speed():
     """Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup)."""
 
 
+speed.add_command(fair)  # the parts with modules of their own
+speed.add_command(startup)
+
+
 @speed.command()
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--block", default=4, show_default=True, help="Timed decode steps per contender and round.")
@@ -82,7 +73,7 @@ def speed():
 )
 @threads_option
 @model_option
-@out_dir_option
+@speed_out_dir_option
 def decode(cache_size, block, rounds, policies, threads, model_spec, out_dir):
     """Exact-mode decode vs the raw decode step: decode_1thread.json, decode_2threads.json."""
     from h2o_stream.apps.chat import chat_sampling
@@ -186,7 +177,7 @@ def plot_decode(report: dict, path: Path) -> None:
 @click.option("--step-tokens", default=32, show_default=True, help="Tokens per timed round, one forward per token.")
 @data_option
 @model_option
-@out_dir_option
+@speed_out_dir_option
 def scan(cache_size, span, policies, threads, rounds, tokens, step_tokens, data, model_spec, out_dir):
     """Exact mode scanned and per token, compiled and on tensor ops, vs raw forwards: exact_scan.json."""
     loaded = load_model(model_spec)
@@ -315,173 +306,6 @@ def plot_scan(report: dict, path: Path) -> None:
 
 
 @speed.command()
-@click.option(
-    "--policies",
-    show_default=True,
-    default="h2o,sink,window,tova,a2sf,h2o_sinks,sepllm,keydiff,roco,snapkv,pyramid,keyformer,cam,scissorhands",
-)
-@click.option("--cache-size", default=256, show_default=True)
-@click.option("--rounds", default=5, show_default=True)
-@click.option("--round-tokens", default=512, show_default=True, help="Tokens per round and contender, chunks > 1.")
-@click.option(
-    "--exact-round-tokens",
-    default=96,
-    show_default=True,
-    help="Tokens per round and contender for the policies whose default is exact mode (chunk 1).",
-)
-@click.option("--threads", default=2, show_default=True)
-@data_option
-@model_option
-@out_dir_option
-@retrieval_heads_option
-def fair(
-    policies, cache_size, rounds, round_tokens, exact_round_tokens, threads, data, model_spec, out_dir, retrieval_heads
-):
-    """Fair chunks vs their raw twin, forward by forward: fair_chunks_chunked.json, fair_chunks_exact.json."""
-    setup(threads)
-    names = policies.split(",")
-    if "head_hybrid" in names:  # a missing or bad classification fails before the model loads
-        suite_policy("head_hybrid", cache_size, None, retrieval_heads)
-    loaded = load_model(model_spec)
-    made = {n: suite_policy(n, cache_size, loaded.tokenizer, retrieval_heads) for n in names}
-    chunks = {n: default_chunk_size(made[n]) for n in names}
-    for kind, group, tokens in (
-        ("chunked", [n for n in names if chunks[n] > 1], round_tokens),
-        ("exact", [n for n in names if chunks[n] == 1], exact_round_tokens),
-    ):
-        if not group:
-            continue
-        prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
-        stream = corpus_tokens(loaded.tokenizer, prefix + rounds * tokens, data)
-        rows = {name: _fair_row(loaded, name, made[name], stream, rounds, tokens) for name in group}
-        report = {
-            "benchmark": "fair chunks vs the raw chunked forward",
-            "model": loaded.name,
-            "data": corpus_record(data),
-            "cache_size": cache_size,
-            "environment": environment(),
-            "targets": {"ratio_vs_raw_forward": 0.85},
-            "throughput": rows,
-            "throughput_measured_with": {
-                **environment(),
-                "alternate": "forwards",
-                "rounds": rounds,
-                "round_tokens": tokens,
-            },
-        }
-        write_result(out_dir / f"fair_chunks_{kind}.json", report, plot_fair)
-
-
-def twin_prefix(model, policy) -> int:
-    """Stream tokens `twin_caches` feeds before the timed forwards: the policy's budget, or a sliding-window layer's
-    window where that is longer (Gemma 3: 512), so that those layers hold their window in both caches."""
-    from h2o_stream.engine.layer_types import layer_windows
-
-    windows = [w for w in layer_windows(model.config.get_text_config(decoder=True)) if w is not None]
-    return max([policy.budget, *windows])
-
-
-@torch.no_grad()
-def twin_caches(model, policy, stream: torch.Tensor) -> tuple[dict, int, int]:
-    """({"policy": a StreamingCache, "raw": its raw twin}, the policy's fair chunk, what the twin's global layers
-    hold), both fed the stream's first `twin_prefix` tokens in that chunk: the twin (a DynamicCache, cropped after
-    each timed forward) holds what the policy's cache holds before a chunk, so that each forward of one equals one of
-    the other in keys (a band policy holds its budget, a ranked one its budget + 1 - chunk; sliding-window layers
-    their window in both)."""
-    cache_size, prefix = policy.budget, twin_prefix(model, policy)
-    chunk = default_chunk_size(policy)
-    held = cache_size if policy.band() is not None else cache_size + 1 - chunk
-    caches = {"policy": StreamingCache(model, policy), "raw": DynamicCache(config=model.config)}
-    for layer in caches["raw"].layers:  # a sliding layer keeps what `crop` may take back (transformers' rule)
-        if hasattr(layer, "activate_past_recording"):
-            layer.activate_past_recording()
-    for cache in caches.values():
-        for start in range(0, prefix, chunk):
-            model(stream[start : min(start + chunk, prefix)].unsqueeze(0), cache=cache)
-    for layer in caches["raw"].layers:
-        if not hasattr(layer, "activate_past_recording"):  # a global layer: back to what the policy's holds
-            layer.crop(held - prefix)  # negative: drop the newest prefix - held entries
-    return caches, chunk, held
-
-
-@torch.no_grad()
-def _fair_row(loaded, name: str, policy, stream: torch.Tensor, rounds: int, tokens: int) -> dict:
-    """One policy against its raw twin and the twin in inference mode, forward by forward (which goes first rotates).
-    Per round: tokens over the summed seconds of each; speeds and ratios are medians over the rounds (the ratio of
-    each round's own pair)."""
-    model = loaded.model
-    timed = stream[twin_prefix(model, policy) :]
-    caches, chunk, held = twin_caches(model, policy, stream)
-    caches["raw_inference"] = copy.deepcopy(caches["raw"])
-
-    def step(who):
-        def run(r, i):
-            piece = timed[r * tokens + i * chunk : min(r * tokens + (i + 1) * chunk, (r + 1) * tokens)].unsqueeze(0)
-            with torch.inference_mode() if who == "raw_inference" else contextlib.nullcontext():
-                started = time.perf_counter()
-                model(piece, cache=caches[who])
-                seconds = time.perf_counter() - started
-            if who != "policy":
-                caches[who].crop(-piece.shape[-1])
-            return seconds
-
-        return run
-
-    seconds = alternate({who: step(who) for who in caches}, rounds, per_round=-(-tokens // chunk))
-    speeds = {who: statistics.median(tokens / s for s in v) for who, v in seconds.items()}
-    ratios = {
-        who: [s / p for s, p in zip(seconds[who], seconds["policy"], strict=True)] for who in ("raw", "raw_inference")
-    }
-    row = {
-        "chunk_size": chunk,
-        "tokens_per_second": speeds["policy"],
-        "raw_forward": f"raw {held}+{chunk}",
-        "raw_tokens_per_second": speeds["raw"],
-        "ratio_vs_raw_forward": statistics.median(ratios["raw"]),
-        "ratio_per_round": ratios["raw"],
-        "raw_inference_mode_tokens_per_second": speeds["raw_inference"],
-        "ratio_vs_raw_forward_in_inference_mode": statistics.median(ratios["raw_inference"]),
-        "ratio_in_inference_mode_per_round": ratios["raw_inference"],
-    }
-    print(
-        f"{name:10s} C={chunk:3d} {row['tokens_per_second']:7.1f} tok/s = {row['ratio_vs_raw_forward']:.3f}x "
-        f"{row['raw_forward']} ({row['ratio_vs_raw_forward_in_inference_mode']:.3f}x in inference mode)",
-        flush=True,
-    )
-    return row
-
-
-def plot_fair(report: dict, path: Path) -> None:
-    rows = report["throughput"]
-    names, places = list(rows), range(len(rows))
-    fig, ax = new_figure(size=(max(4.0, 0.8 * len(names) + 2), 3.6))
-    ax.bar(
-        [i - 0.2 for i in places],
-        [rows[n]["ratio_vs_raw_forward"] for n in names],
-        width=0.4,
-        color="#55a868",
-        label="raw forward with gradients off",
-    )
-    ax.bar(
-        [i + 0.2 for i in places],
-        [rows[n]["ratio_vs_raw_forward_in_inference_mode"] for n in names],
-        width=0.4,
-        color="#8172b2",
-        label="the same in inference mode",
-    )
-    ax.set_xticks(list(places), [f"{n}\nC={rows[n]['chunk_size']}" for n in names], fontsize=8)
-    ax.axhline(report["targets"]["ratio_vs_raw_forward"], color="red", linestyle="--")
-    ax.legend(fontsize=7)
-    ax.set_ylabel("tok/s / raw twin tok/s (median)")
-    save_figure(
-        fig,
-        path,
-        f"{report['model']}, cache {report['cache_size']}: fair chunks vs their raw twin, "
-        f"{report['environment']['threads']} thread(s)",
-    )
-
-
-@speed.command()
 @click.option("--policies", default="h2o,sink,tova,a2sf", show_default=True)
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--tokens", default=2048, show_default=True, help="Stream tokens per run.")
@@ -489,7 +313,7 @@ def plot_fair(report: dict, path: Path) -> None:
 @click.option("--rounds", default=2, show_default=True)
 @data_option
 @model_option
-@out_dir_option
+@speed_out_dir_option
 def rows(policies, cache_size, tokens, threads, rounds, data, model_spec, out_dir):
     """A sweep's runs as rows of one batch vs one after another: rows.json."""
     from h2o_stream.apps.perplexity.rows import RunRows
@@ -558,82 +382,3 @@ def plot_rows(report: dict, path: Path) -> None:
         f"{len(report['policies'])} runs ({', '.join(report['policies'])}) at cache "
         f"{report['cache_size']}, {report['tokens_per_run']:,} tokens each",
     )
-
-
-STARTUP = (("--help",), ("ppl", "--help"), ("ppl", "--nope"))
-
-
-@speed.command()
-@click.option("--rounds", default=10, show_default=True)
-@click.option(
-    "--model",
-    "model_spec",
-    default=None,
-    help="Time instead a short `ppl` on this model, launch to exit (run it once before: its later starts).",
-)
-@out_dir_option
-def startup(rounds, model_spec, out_dir):
-    """Seconds from launch to exit of the CLI's help and a bad option, fresh processes: startup.json (with --model,
-    of a 16-token `ppl` on that model: startup_MODEL.json)."""
-    program = shutil.which("h2o-stream", path=str(Path(sys.executable).parent)) or shutil.which("h2o-stream")
-    if program is None:
-        raise BadInput("no h2o-stream command on PATH: install the package (pip install -e .)")
-    commands = (
-        STARTUP
-        if model_spec is None
-        else (("ppl", "--model", model_spec, "--data", "sample", "--policy", "sink", "--tokens", "16", "--out", "OUT"),)
-    )
-    statuses = {}
-    load = os.getloadavg()  # on a shared machine, what else was running
-
-    def step(arguments):
-        def run(_r, _i):
-            with tempfile.TemporaryDirectory(prefix="h2o-stream-startup-") as work:  # a fresh --out every time
-                started = time.perf_counter()
-                done = subprocess.run(
-                    [program, *(str(Path(work) / "out") if a == "OUT" else a for a in arguments)], capture_output=True
-                )
-                statuses[arguments] = done.returncode
-                return time.perf_counter() - started
-
-        return run
-
-    seconds = alternate({arguments: step(arguments) for arguments in commands}, rounds)
-    commands = {
-        " ".join(("h2o-stream", *a)): {
-            "median_seconds": statistics.median(v),
-            "max_seconds": max(v),
-            "seconds": v,
-            "exit_status": statuses[a],
-        }
-        for a, v in seconds.items()
-    }
-    print(
-        {
-            command: f"median {row['median_seconds']:.3f} s, max {row['max_seconds']:.3f} s"
-            for command, row in commands.items()
-        }
-    )
-    report = {
-        "benchmark": "CLI start-up: fresh processes, launch to exit",
-        "rounds": rounds,
-        "environment": environment(),
-        "cpus": os.cpu_count(),
-        "load_average_at_start": list(load),
-        "commands": commands,
-    }
-    if model_spec is not None:
-        report["model"] = model_spec
-    name = "startup.json" if model_spec is None else f"startup_{Path(model_spec).name}.json"
-    write_result(out_dir / name, report, plot_startup)
-
-
-def plot_startup(report: dict, path: Path) -> None:
-    rows = report["commands"]
-    fig, ax = new_figure(size=(6, 3))
-    ax.barh(list(rows), [r["median_seconds"] for r in rows.values()], color="#4c72b0", label="median")
-    ax.scatter([r["max_seconds"] for r in rows.values()], range(len(rows)), color="red", marker="|", s=200, label="max")
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds, launch to exit")
-    ax.legend(fontsize=8, loc="lower right")
-    save_figure(fig, path, f"CLI start-up over {report['rounds']} rounds")

@@ -17,6 +17,7 @@ from pathlib import Path
 import click
 
 from eval.common import RESULTS, BadInput, command_line, new_figure, run_commands, save_figure, write_result
+from eval.page import num, source, table
 
 CACHE = 256
 SHARES = (0, 8, 16, 32, 64, 128)  # heavy-hitter slots: 0, 1/32, 1/16, 1/8, 1/4 and 1/2 of the cache
@@ -258,7 +259,6 @@ def plot_split(report: dict, path: Path) -> None:
 
 def split_section(res, page) -> list[str]:
     """docs/results.md's section on the heavy-hitter share (split/split.json; called by eval.results_page)."""
-    from eval.results_page import num, source, table
 
     report = res.get("split/split.json")
     if not report:

@@ -3,7 +3,8 @@ policy meets the target of beating sinks, with the attention measurements that b
 
 from __future__ import annotations
 
-from eval.results_page import Results, boards, model_of, num, pct, source
+from eval.boards import boards, model_of
+from eval.page import Results, num, pct, source
 
 #: the 1M-token fair-chunk runs, one folder per model (each has sink and others at cache 256)
 LONG_BY_MODEL = ("long_fair", "long_fair_gemma3")
