@@ -103,6 +103,14 @@ def _own_model_cache(request, monkeypatch, tmp_path):
         monkeypatch.setenv("H2O_STREAM_CACHE", str(tmp_path / "model-cache"))
 
 
+@pytest.fixture(autouse=True)
+def _threads_back():
+    """What a test sets torch's thread count to (the eval suites do) is undone after it."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def tokenizer(request):
     """Tiny BPE tokenizer with SmolLM2's chat template, trained on the module's TRAINING_TEXTS."""
@@ -128,6 +136,12 @@ def model_dir(tmp_path_factory, model, tokenizer):
 def tiny_gguf(tmp_path_factory, model):
     """`model` as the only file of a directory: tiny.gguf."""
     return write_tiny_gguf(model, tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> str:
+    """A tiny random llama with a character tokenizer, as a model directory's path: what the eval suites run."""
+    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny") / "model"))
 
 
 @pytest.fixture(scope="module")
