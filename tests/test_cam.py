@@ -154,8 +154,8 @@ def test_an_oracle_that_drops_instead_of_merging_is_caught():
 @pytest.mark.parametrize(
     "settings, message",
     [
-        ({"merge_span": 0}, "merge_span (cam's merge span) must be a whole number in (0, 1.04858e+06], got 0"),
-        ({"merge_seed": -1}, "merge_seed must be a whole number in (-1, 4.29497e+09], got -1"),
+        ({"merge_span": 0}, "merge_span (cam's merge span) must be a whole number in (0, 1048576], got 0"),
+        ({"merge_seed": -1}, "merge_seed must be a whole number in (-1, 4294967295], got -1"),
     ],
 )
 def test_a_bad_setting_is_one_clear_error(settings, message):

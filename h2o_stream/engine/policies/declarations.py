@@ -107,9 +107,14 @@ class Setting:
             or (self.odd and value % 2 == 0)
         ):
             what = f"{self.name} ({self.called})" if self.called else self.name
-            where = f" in ({low:g}, {high:g}]" if self.within is not None else ""
+            where = f" in ({_bound(low)}, {_bound(high)}]" if self.within is not None else ""
             raise H2OStreamError(f"{what} must be {kind}{where}, got {value!r}")
         return value if whole else float(value)
+
+
+def _bound(value: float) -> str:
+    """A setting's bound as a message shows it: a whole value exactly (`g` would round 2**32 - 1 to 4.29497e+09)."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
 #: how attention becomes a score (`Scores.accumulate`)
