@@ -12,6 +12,7 @@ from eval.boards import leaderboard_section, long_section
 from eval.calibration import calibration_section
 from eval.fair_profile import profile_section
 from eval.page import Results, num, pct, source, table, unexpected, versions
+from eval.seam import seam_section
 from eval.serve_load import serve_section
 from eval.speed_page import speed_section
 from eval.split import split_section
@@ -183,6 +184,7 @@ SECTIONS = (
     calibration_section,
     long_section,
     quality_section,
+    seam_section,
     speed_section,
     profile_section,
     needle_section,

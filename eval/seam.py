@@ -25,6 +25,7 @@ from eval.common import (
     setup,
     write_result,
 )
+from eval.page import source, table
 
 OUT = RESULTS / "quality" / "seam"
 #: (path name, chunk size None = the policy's default fair chunk, whether the compiled loop may run)
@@ -173,3 +174,42 @@ def _plot(report: dict, figure: Path) -> None:
         f"{report['model']}: every policy and path against the recorded reference "
         f"({report['tokens']} tokens, cache {report['cache_size']})",
     )
+
+
+#: how the results page heads each path's column
+PATH_TITLES = {"exact_tensor": "exact, tensor ops", "exact_compiled": "exact, compiled", "fair": "fair chunks"}
+
+
+def _cell(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    if not row["recorded"]:
+        return f"new: {row['mean_nll']:.4f}"
+    return "bit-identical" if row["bit_identical"] else f"max diff {row['max_abs_diff']:.1e}"
+
+
+def seam_section(res, page) -> list[str]:
+    """docs/results.md's section on quality/seam/equality.json (called by eval.results_page): every policy's per-token
+    NLLs in each path against those recorded before, bit-identical or the largest difference."""
+    report = res.get("quality/seam/equality.json")
+    if not report:
+        return []
+    runs = report["runs"]
+    policies = sorted({key.split("/")[0] for key in runs})
+    recorded = [row for row in runs.values() if row["recorded"]]
+    same = sum(row["bit_identical"] for row in recorded)
+    lines = [
+        "## Every policy's numbers against the recorded ones",
+        "",
+        f"Per-token NLLs of each policy on {report['model']} over {report['tokens']:,} tokens at cache "
+        f"{report['cache_size']}, in each path, against those `python -m eval seam record` wrote to "
+        f"`{Path(report['reference']).name}` (the NLLs themselves, compared number for number); a policy it has none "
+        f"for shows its mean NLL. {same} of {len(recorded)} recorded runs are bit-identical.",
+        "",
+    ]
+    lines += table(
+        ["policy", *PATH_TITLES.values()],
+        [[name, *(_cell(runs.get(f"{name}/{path}")) for path in PATH_TITLES)] for name in policies],
+    )
+    lines += [source(res, "quality/seam/equality.json"), ""]
+    return lines + res.figure("quality/seam/equality.png", page, "seam: every policy against the recorded NLLs")

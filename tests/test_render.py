@@ -195,3 +195,17 @@ def test_the_target_says_by_how_much_the_best_other_policy_falls_short_or_that_i
     path.write_text(json.dumps(board))
     said = rendered_target(results, root)
     assert "So far not met: a policy beats sinks at 3 of the boards' sizes, but not by the target" in said
+
+
+def test_the_seam_section_says_which_recorded_runs_moved_and_by_how_much(copy):
+    results, root = copy
+    path = results / "quality" / "seam" / "equality.json"
+    report = json.loads(path.read_text())
+    recorded = sum(row["recorded"] for row in report["runs"].values())
+    report["runs"]["h2o/fair"].update(bit_identical=False, max_abs_diff=3.5e-7)
+    path.write_text(json.dumps(report))
+    assert run(results, root).exit_code == 0
+    page = (root / "docs" / "results.md").read_text()
+    assert f"{recorded - 1} of {recorded} recorded runs are bit-identical" in page
+    assert "| h2o | bit-identical | bit-identical | max diff 3.5e-07 |" in page
+    assert f"| cam | new: {report['runs']['cam/exact_tensor']['mean_nll']:.4f} |" in page
