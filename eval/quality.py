@@ -200,6 +200,10 @@ def plot_gap(report: dict, path: Path) -> None:
 def runs(data, only, dry_run):
     """The `h2o-stream ppl` runs the gaps read, one after another (hours: exact mode is slow)."""
     chosen = None if only is None else set(only.split(","))
+    unknown = sorted((chosen or set()) - {folder for folder, _, _ in PPL_RUNS})
+    if unknown:
+        known = ", ".join(dict.fromkeys(folder for folder, _, _ in PPL_RUNS))
+        raise BadInput(f"--only: no runs folder {', '.join(unknown)} (the folders: {known})")
     commands = [
         [
             "h2o-stream",

@@ -235,6 +235,19 @@ def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     assert not (tmp_path / "gap.json").exists()
 
 
+def test_quality_runs_refuses_a_folder_it_has_no_runs_for(capsys):
+    """A folder named by half (h2o-60k for h2o-60k/exact) would otherwise run nothing and say nothing."""
+    with pytest.raises(SystemExit) as done:
+        main(["quality", "runs", "--data", "books.jsonl", "--only", "h2o-60k,exact", "--dry-run"])
+    assert done.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.err.strip().splitlines() == [
+        "Error: --only: no runs folder h2o-60k (the folders: exact, chunked, chunked-c64, chunked-c16, chunked-c8, "
+        "h2o-60k/exact, h2o-60k/chunked, tova-60k/exact, tova-60k/chunked)"
+    ]
+    assert "h2o-stream ppl" not in captured.out  # not even the folder it knows: nothing runs
+
+
 @pytest.mark.parametrize("command", [["needle"], ["speed", "fair"]])
 def test_head_hybrid_in_a_suite_without_its_classification_is_one_error_line(command, tmp_path, capsys):
     with pytest.raises(SystemExit) as done:
