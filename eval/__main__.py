@@ -12,7 +12,8 @@ import sys
 
 import click
 
-from eval.common import invoked_with
+from eval.common import BadInput, invoked_with
+from h2o_stream.errors import H2OStreamError
 
 #: suite name -> "module:click command" (a new suite registers here)
 SUITES = {
@@ -80,7 +81,11 @@ def main(argv: list[str] | None = None) -> None:
     """Run `python -m eval` with `argv` (default: the process's arguments)."""
     argv = sys.argv[1:] if argv is None else list(argv)
     invoked_with(argv)
-    cli.main(argv, prog_name="python -m eval")
+    try:
+        cli.main(argv, prog_name="python -m eval")
+    except H2OStreamError as error:  # a bad input the library found inside a suite (a model path, a setting)
+        click.echo(f"Error: {error}", err=True)
+        sys.exit(BadInput.exit_code)
 
 
 if __name__ == "__main__":

@@ -235,6 +235,14 @@ def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
     assert not (tmp_path / "gap.json").exists()
 
 
+@pytest.mark.parametrize("command", [["speed", "fair", "--policies", "sink"], ["profile", "--policies", "sink"]])
+def test_a_bad_input_the_library_finds_inside_a_suite_is_one_error_line(command, tmp_path, capsys):
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--model", str(tmp_path / "missing")])
+    assert done.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"Error: model not found: {tmp_path / 'missing'}"]
+
+
 def test_quality_runs_refuses_a_folder_it_has_no_runs_for(capsys):
     """A folder named by half (h2o-60k for h2o-60k/exact) would otherwise run nothing and say nothing."""
     with pytest.raises(SystemExit) as done:
