@@ -199,11 +199,11 @@ def plot_gap(report: dict, path: Path) -> None:
 @click.option("--dry-run", is_flag=True, help="Print the commands only.")
 def runs(data, only, dry_run):
     """The `h2o-stream ppl` runs the gaps read, one after another (hours: exact mode is slow)."""
+    folders = list(dict.fromkeys(folder for folder, _, _ in PPL_RUNS))
     chosen = None if only is None else set(only.split(","))
-    unknown = sorted((chosen or set()) - {folder for folder, _, _ in PPL_RUNS})
+    unknown = sorted((chosen or set()) - set(folders))
     if unknown:
-        known = ", ".join(dict.fromkeys(folder for folder, _, _ in PPL_RUNS))
-        raise BadInput(f"--only: no runs folder {', '.join(unknown)} (the folders: {known})")
+        raise BadInput(f"--only: no runs folder {', '.join(unknown)} (the folders: {', '.join(folders)})")
     commands = [
         [
             "h2o-stream",

@@ -176,7 +176,7 @@ def _plot(report: dict, figure: Path) -> None:
     )
 
 
-#: how the results page heads each path's column
+#: how the results page heads each path's column (a path of `PATHS`)
 PATH_TITLES = {"exact_tensor": "exact, tensor ops", "exact_compiled": "exact, compiled", "fair": "fair chunks"}
 
 
@@ -208,8 +208,8 @@ def seam_section(res, page) -> list[str]:
         "",
     ]
     lines += table(
-        ["policy", *PATH_TITLES.values()],
-        [[name, *(_cell(runs.get(f"{name}/{path}")) for path in PATH_TITLES)] for name in policies],
+        ["policy", *(PATH_TITLES[path] for path, _, _ in PATHS)],
+        [[name, *(_cell(runs.get(f"{name}/{path}")) for path, _, _ in PATHS)] for name in policies],
     )
     lines += [source(res, "quality/seam/equality.json"), ""]
     return lines + res.figure("quality/seam/equality.png", page, "seam: every policy against the recorded NLLs")
