@@ -7,6 +7,9 @@
   the body) and the body as written by `torch.save`. Reading checks the header and the digest before anything is
   deserialized, then deserializes with torch's `weights_only` unpickler, so a flipped byte is an error and a crafted
   file cannot run code. Any problem raises `UnverifiedFile`, whose message completes the sentence "<path> ...".
+- `not_ours(path, kind)`: the one rule for writing where a file may already be: what is there is replaced without
+  being told only when it is a verified file of the same kind (an older save of the same thing); a user's text, a
+  JSON file or a verified file of another kind is not.
 - `remove_partials(directory)`: delete what writers killed mid-write left behind (call it only while holding the
   directory, e.g. under a lock).
 
@@ -155,6 +158,29 @@ def read_verified(path: str | os.PathLike, kind: str, version: int, *, map_locat
             found_kind=found_kind,
             found_version=found_version,
         ) from None
+
+
+def not_ours(path: str | os.PathLike, kind: str) -> str | None:
+    """None when a verified file of `kind` may be written at `path` without asking: nothing is there, or a verified
+    file of that same kind (of any version, even a damaged one). Else what is there, completing "<path> ...", e.g.
+    "is not a file written by h2o-stream": a writer replaces it only when told to (a --force)."""
+    try:
+        with open(path, "rb") as file:
+            magic = file.read(len(MAGIC))
+            line = file.readline(_HEADER_LIMIT) if magic == MAGIC else b""
+    except FileNotFoundError:
+        return None
+    except IsADirectoryError:
+        return "is a directory"
+    except OSError as error:
+        return f"exists and cannot be read ({error.strerror or error})"
+    if magic != MAGIC:
+        return "is not a file written by h2o-stream"
+    try:
+        found = _header(line)["kind"]
+    except UnverifiedFile:
+        return "is an h2o-stream file whose header is not readable"
+    return None if found == kind else f"is a {found}"
 
 
 def _header(line: bytes) -> dict:

@@ -186,7 +186,7 @@ def test_loading_a_session_with_another_cache_names_both(model_dir, tmp_path, mo
     assert saved.exit_code == 0, saved.output
     notice = (
         "note: the loaded session keeps its own cache, sink(sinks=4, recent=12), instead of this chat's "
-        "h2o(heavy=16, recent=16) (--policy/--cache-size do not apply to a loaded session)"
+        "h2o(heavy=16, recent=16) (--cache-size does not apply: a saved session's cache cannot change)"
     )
     on_the_command_line = run_chat(
         ["--model", model_dir, "--cache-size", 32, "--max-new-tokens", 2, "--load", path], "/stats\n", monkeypatch

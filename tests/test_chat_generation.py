@@ -32,13 +32,13 @@ def sample_token(logits, sampling, generator):
     "kwargs, message",
     [
         (dict(temperature=-1), "temperature"),
-        (dict(top_p=0), "top-p"),
-        (dict(top_p=1.5), "top-p"),
-        (dict(max_new_tokens=0), "max-new-tokens"),
+        (dict(top_p=0), "top_p"),
+        (dict(top_p=1.5), "top_p"),
+        (dict(max_new_tokens=0), "max_new_tokens"),
         (dict(seed=-3), "seed"),
-        (dict(top_k=-1), "top-k"),
-        (dict(repetition_penalty=0.5), "repetition-penalty"),
-        (dict(no_repeat_ngram_size=1.5), "no-repeat-ngram-size"),
+        (dict(top_k=-1), "top_k"),
+        (dict(repetition_penalty=0.5), "repetition_penalty"),
+        (dict(no_repeat_ngram_size=1.5), "no_repeat_ngram_size"),
     ],
 )
 def test_bad_sampling_settings(kwargs, message):

@@ -147,7 +147,7 @@ def corrupt_variants(saved: Path, tmp_path: Path, tokenizer):
         "bad-shapes.pt": "not a usable chat session",
         "future.pt": "format version 99",
         "no-counter.pt": "not a usable chat session",
-        "bad-sampling.pt": "repetition-penalty",
+        "bad-sampling.pt": "repetition_penalty",
         "edited.pt": "damaged chat session",
         ".": "is a directory",
         "format-1.pt": "saved by an older h2o-stream \\(session format 1, before verified files\\)",

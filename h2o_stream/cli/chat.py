@@ -14,11 +14,29 @@ import sys
 import click
 
 from h2o_stream.apps.chat.defaults import CHAT_SAMPLING, DEFAULT_CACHE_SIZE, DEFAULT_CHUNK_SIZE
-from h2o_stream.apps.chat.stats import cache_settings, loaded_summary
 from h2o_stream.errors import H2OStreamError
 
-from .options import cache_options, model_options
-from .repl import Repl, note, note_replaced
+from .options import SEEDS, cache_options, given_options, model_options
+from .repl import CommandLine, Repl, note, resume
+
+#: the options that act with --server (the server's model and cache serve the chat; it takes no n-gram ban); any
+#: other given with it would change nothing and is refused. --load has its own message.
+WITH_SERVER = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "repetition_penalty",
+    "max_new_tokens",
+    "seed",
+    "system",
+    "load_path",
+    "server",
+    "api_key",
+)
+#: the settings a loaded session takes from the command line, when given there (Sampling's fields and chunk_size)
+RESUMED_SETTINGS = (*CHAT_SAMPLING, "seed", "chunk_size")
+#: the options of a session's cache, which a saved session keeps (the cache_options and the budget parts)
+_NOT_CACHE = (*RESUMED_SETTINGS, "model_spec", "dtype", "device", "threads", "system", "load_path", "server", "api_key")
 
 
 @click.command("chat")
@@ -73,7 +91,7 @@ from .repl import Repl, note, note_replaced
     show_default=True,
     help="Longest reply, in tokens.",
 )
-@click.option("--seed", type=click.IntRange(min=0), default=None, help="Sampling seed (default: random).")
+@click.option("--seed", type=SEEDS, default=None, help="Sampling seed, 0 to 2**64-1 (default: random).")
 @click.option("--system", default=None, help="System prompt, given to the model once at the start.")
 @click.option(
     "--load",
@@ -117,8 +135,23 @@ def chat(
     The KV cache stays at --cache-size entries per layer and KV head however long the conversation runs; each turn
     feeds only its own tokens. Type /help in the chat for commands (/stats, /save, /load, ...). With stdin piped,
     every line is one turn or command."""
+    given = given_options()
+    if server is not None:
+        from h2o_stream.apps.serve.client import base_url
+
+        base_url(server, "--server")  # before anything else: a --server that is no URL is the first error
+        ignored = [flag for name, flag in given.items() if name not in WITH_SERVER]
+        if ignored:
+            raise H2OStreamError(
+                f"{', '.join(ignored)} {'has' if len(ignored) == 1 else 'have'} no effect with --server: the "
+                f"server's own model and cache serve the chat; leave {'it' if len(ignored) == 1 else 'them'} out"
+            )
+    elif "api_key" in given:
+        raise H2OStreamError("--api-key is the key of a server, for --server; without --server there is none")
+
     from h2o_stream.apps.chat import ChatSession, Sampling
     from h2o_stream.engine.policies import make_policy, policy_class
+    from h2o_stream.generation.sampling import check_sampling
     from h2o_stream.loading.models import load_model
 
     for stream in (sys.stdout, sys.stderr):  # a terminal or pipe that cannot show a character gets a '?'
@@ -128,17 +161,19 @@ def chat(
     size = None if policy == "full" else cache_size
     # built (and so checked) before the model loads, unless it needs the model's tokenizer (sepllm)
     eviction = None if policy_class(policy).needs_tokenizer else make_policy(policy, size, **parts)
-    sampling = Sampling(
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        max_new_tokens=max_new_tokens,
-        seed=seed,
-    )
+    settings = {
+        "temperature": temperature,
+        "top_p": top_p,
+        "top_k": top_k,
+        "repetition_penalty": repetition_penalty,
+        "no_repeat_ngram_size": no_repeat_ngram_size,
+        "max_new_tokens": max_new_tokens,
+        "seed": seed,
+    }
+    check_sampling(options=True, **settings)  # click's ranges let NaN through
+    sampling = Sampling(**settings)
     interactive = sys.stdin.isatty()
-    if server:
+    if server is not None:
         _remote(server, api_key, system, sampling, seed, load_path, interactive)
         return
     note(f"loading {model_spec or 'the default model'} ...")
@@ -161,16 +196,21 @@ def chat(
         note("note: the full policy never evicts: memory grows with the conversation")
     if session.system_warning:
         note(f"warning: {session.system_warning}")
+    command_line = CommandLine(
+        settings={name: {**settings, "chunk_size": chunk_size}[name] for name in given if name in RESUMED_SETTINGS},
+        cache=[flag for name, flag in given.items() if name not in _NOT_CACHE],
+        system="system" in given,
+        system_prompt=session.system,
+    )
     if load_path:
-        before = cache_settings(session)
-        session.load(load_path)
-        note(loaded_summary(session, load_path))
-        note_replaced(before, session)
+        summary, notes = resume(session, load_path, command_line, starting=True)
+        for line in [summary, *notes]:
+            note(line)
     note(
         f"{loaded.name} | {session.policy.describe()} | "
         + ("/help for commands, Ctrl-D to exit" if interactive else "reading turns from stdin")
     )
-    failures = Repl(session, interactive=interactive).run()
+    failures = Repl(session, interactive=interactive, command_line=command_line).run()
     if failures and not interactive:
         sys.exit(1)
 

@@ -6,7 +6,6 @@ import shlex
 from pathlib import Path
 
 import click
-from click.core import ParameterSource
 
 from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leaderboard
 from h2o_stream.engine.policies import POLICIES
@@ -18,6 +17,7 @@ from .options import (
     checkpoint_option,
     command_argv,
     data_option,
+    given_options,
     loading_note,
     model_options,
     ray_option,
@@ -85,7 +85,7 @@ def leaderboard(
     out = Path(out_dir)
     runs = out / "runs"
     if report_only:
-        ignored = _given_options(exclude=("out_dir", "report_only"))
+        ignored = list(given_options(exclude=("out_dir", "report_only")).values())
         if ignored:
             raise H2OStreamError(
                 f"--report-only redraws the leaderboard from the runs in {runs} and runs nothing: "
@@ -131,13 +131,3 @@ def leaderboard(
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)
-
-
-def _given_options(exclude: tuple[str, ...]) -> list[str]:
-    """The options of this call given on the command line (not defaults), by their flag, but those in `exclude`."""
-    ctx = click.get_current_context()
-    return [
-        param.opts[0]
-        for param in ctx.command.params
-        if param.name not in exclude and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
-    ]

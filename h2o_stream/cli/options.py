@@ -7,6 +7,7 @@ import functools
 import sys
 
 import click
+from click.core import ParameterSource
 
 from h2o_stream.engine.layer_types import SLIDING_MODES
 from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts, policy_class
@@ -33,6 +34,10 @@ def model_options(command):
     ]
     return _apply(options, command)
 
+
+#: --seed's values: the seeds Sampling takes (h2o_stream.generation.sampling.MAX_SEED: torch's 64-bit seeds), checked
+#: while parsing, before torch loads
+SEEDS = click.IntRange(min=0, max=2**64 - 1)
 
 #: --data, for the commands that stream a corpus (ppl, leaderboard)
 data_option = click.option(
@@ -215,6 +220,19 @@ def loading_note(model_spec: str | None) -> None:
     click.echo(
         f"loading torch, transformers and {model_spec or 'the default model (SmolLM2-135M-Instruct)'} ...", err=True
     )
+
+
+def given_options(exclude: tuple[str, ...] = ()) -> dict[str, str]:
+    """The options of this call given on the command line (not defaults, not the environment), but those in
+    `exclude`: their parameter names and flags ({'cache_size': '--cache-size'}), in the command's order."""
+    ctx = click.get_current_context()
+    return {
+        param.name: param.opts[0]
+        for param in ctx.command.params
+        if param.name is not None
+        and param.name not in exclude
+        and ctx.get_parameter_source(param.name) is ParameterSource.COMMANDLINE
+    }
 
 
 def command_argv() -> list[str]:

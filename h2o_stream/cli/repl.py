@@ -10,13 +10,14 @@ import os
 import signal
 import sys
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import click
 
-from h2o_stream.apps.chat.stats import cache_settings, format_stats, loaded_summary, size_text
-from h2o_stream.errors import H2OStreamError, one_line
+from h2o_stream.apps.chat.stats import cache_settings, clip, format_stats, loaded_summary, size_text
+from h2o_stream.errors import H2OStreamError, one_line, option_name
 
 if TYPE_CHECKING:
     from h2o_stream.apps.chat import ChatSession
@@ -29,7 +30,8 @@ HELP = """Commands:
   /help          this help
   /stats         tokens seen, cache occupancy, evictions, speed, memory
   /reset         forget the conversation (system prompt and settings stay)
-  /save PATH     save the session (cache, scores, counters, settings) to a file
+  /save PATH     save the session (cache, scores, counters, settings) to a file; it replaces an older session
+                 file, never another file: /save PATH --force replaces that too
   /load PATH     resume a saved session (same model), replacing this one
   /exit          leave (also /quit, or Ctrl-D)
 Anything else is a message to the model; start it with // to send a message that begins with /.
@@ -51,8 +53,9 @@ class Repl:
     chat, as before.
     """
 
-    def __init__(self, session: ChatSession, *, interactive: bool, out=None):
+    def __init__(self, session: ChatSession, *, interactive: bool, out=None, command_line: CommandLine | None = None):
         self.session = session
+        self.command_line = command_line or CommandLine()
         self.interactive = interactive
         self.out = out or sys.stdout
         self.failures = 0
@@ -195,15 +198,12 @@ class Repl:
                 if not argument:
                     raise H2OStreamError(f"{name} needs a file name: {name} PATH")
                 if name == "/save":
-                    path = self.session.save(argument)
-                    self.say(
-                        f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) to {path}"
-                    )
+                    self.save(argument)
                 else:
-                    before = cache_settings(self.session)
-                    self.session.load(argument)
-                    self.say(loaded_summary(self.session, argument))
-                    note_replaced(before, self.session)
+                    summary, notes = resume(self.session, argument, self.command_line)
+                    self.say(summary)
+                    for line in notes:
+                        note(line)
             else:
                 raise H2OStreamError(
                     f"unknown command {name}; type /help for the list "
@@ -218,6 +218,26 @@ class Repl:
             self.failures += 1
             note(f"Error: {name} failed: {type(error).__name__}: {one_line(error)} (the session is as it was)")
         return True
+
+    def save(self, argument: str) -> None:
+        """/save PATH, or /save PATH --force (also /save --force PATH): --force replaces a file that is not a chat
+        session."""
+        words = argument.split()
+        force = "--force" in (words[0], words[-1])
+        if force:
+            argument = argument.strip().removeprefix("--force").removesuffix("--force").strip()
+            if not argument:
+                raise H2OStreamError("/save needs a file name: /save PATH --force")
+        from h2o_stream.apps.chat.session_file import NotReplaced
+
+        try:
+            path = self.session.save(argument, force=True) if force else self.session.save(argument)
+        except NotReplaced as error:
+            raise H2OStreamError(
+                f"{error.path} {error.what}, not a chat session: /save does not replace it "
+                f"(/save {argument} --force does; or choose another file)"
+            ) from None
+        self.say(f"saved the session (turn {self.session.turns}, {size_text(path.stat().st_size)}) to {path}")
 
     def turn(self, text: str) -> None:
         self._stop.clear()
@@ -296,14 +316,64 @@ def _bad_byte(error: UnicodeDecodeError) -> str:
     return f"byte 0x{error.object[error.start]:02x} at offset {error.start}"
 
 
-def note_replaced(before: str, session: ChatSession) -> None:
-    """Say so when a loaded session brings another cache than the chat had (the file's settings win)."""
+@dataclass
+class CommandLine:
+    """What the chat's command line set explicitly, which wins over a loaded session's own settings (--load, /load).
+
+    `settings`: the sampling settings and chunk size given, by `Sampling` field name, with their values: they apply to
+    a loaded session. `cache`: the cache options given (--policy, --cache-size, a budget part, --no-rolling) and
+    `system`, whether --system was given, with `system_prompt` its prompt: these cannot change in a saved session (its
+    cache holds the system prompt), so a loaded session keeps its own, with a note naming them."""
+
+    settings: dict = field(default_factory=dict)
+    cache: list[str] = field(default_factory=list)
+    system: bool = False
+    system_prompt: str | None = None
+
+
+def resume(
+    session: ChatSession, path: str, command_line: CommandLine, *, starting: bool = False
+) -> tuple[str, list[str]]:
+    """Load the session at `path` into `session`, then apply what `command_line` set; what to tell the user: the
+    loaded session's summary, and notes on what the command line changed and what it could not. `starting`: the
+    chat's own session is new (--load), so its cache is worth a note only when cache options were given."""
+    before = cache_settings(session)
+    session.load(path)
+    saved = {
+        key: session.chunk_size if key == "chunk_size" else getattr(session.sampling, key)
+        for key in command_line.settings
+    }
+    changed = {key: value for key, value in command_line.settings.items() if saved[key] != value}
+    session.change_settings(**changed)  # checked when the command line was read: cannot fail here
+    notes = []
     after = cache_settings(session)
-    if after != before:
-        note(
+    if after != before and (command_line.cache or not starting):
+        given = ", ".join(command_line.cache)
+        notes.append(
             f"note: the loaded session keeps its own cache, {after}, instead of this chat's {before} "
-            "(--policy/--cache-size do not apply to a loaded session)"
+            + (
+                f"({given} {'does' if len(command_line.cache) == 1 else 'do'} not apply: a saved session's cache "
+                "cannot change)"
+                if command_line.cache
+                else "(--policy/--cache-size do not apply to a loaded session)"
+            )
         )
+    if command_line.system and session.system != command_line.system_prompt:
+        notes.append(
+            "note: the loaded session keeps its own system prompt "
+            f"({'none' if session.system is None else repr(clip(session.system, 40))}); --system does not apply: "
+            "the session's cache holds the prompt it started with"
+        )
+    if changed:
+        notes.append(
+            "note: "
+            + ", ".join(f"{option_name(key)} {value}" for key, value in changed.items())
+            + " from the command line "
+            + ("applies" if len(changed) == 1 else "apply")
+            + " instead of the loaded session's "
+            + ", ".join(f"{option_name(key).removeprefix('--')} {saved[key]}" for key in changed)
+        )
+    return loaded_summary(session, path), notes
 
 
 def note(text: str) -> None:

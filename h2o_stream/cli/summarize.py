@@ -28,7 +28,7 @@ from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import atomic_path
 from h2o_stream.loading.corpus import SAMPLE
 
-from .options import cache_options, model_options
+from .options import SEEDS, cache_options, model_options
 
 
 @click.command("summarize")
@@ -73,7 +73,7 @@ from .options import cache_options, model_options
 @click.option(
     "--top-p", type=float, default=DEFAULT_TOP_P, show_default=True, help="Nucleus sampling (temperature > 0)."
 )
-@click.option("--seed", type=int, default=None, help="Seed for sampling (with --temperature > 0).")
+@click.option("--seed", type=SEEDS, default=None, help="Seed for sampling (with --temperature > 0), 0 to 2**64-1.")
 @click.option(
     "--repetition-penalty", type=float, default=DEFAULT_REPETITION_PENALTY, show_default=True, help="1 = off."
 )

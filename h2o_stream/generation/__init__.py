@@ -9,7 +9,9 @@ Public API
 ``Sampling(temperature=0.7, top_p=0.9, max_new_tokens=256, seed=None, top_k=0, repetition_penalty=1.0,
 no_repeat_ngram_size=0)``
     Settings, checked on construction (H2OStreamError naming the bad one). temperature 0 = greedy; seed None = a
-    random seed, drawn and stored in `.seed`. Repetition controls are off unless asked for.
+    random seed, drawn and stored in `.seed`; seeds are 0 to `MAX_SEED` (2**64 - 1, torch's). Repetition controls are
+    off unless asked for. ``check_sampling(options=False, **settings)`` runs the same checks on settings by name,
+    naming a bad one as the field (top_p) or, with `options`, as a command's option (--top-p).
 
 ``logits_processors(sampling) -> transformers.LogitsProcessorList``
     RepetitionPenaltyLogitsProcessor, NoRepeatNGramLogitsProcessor, then (sampling only) TemperatureLogitsWarper,
@@ -57,7 +59,7 @@ Summarize, for example::
 """
 
 from .decode import STOP_REASONS, Decoder, Generation, generate
-from .sampling import Sampling, logits_processors, pick_token
+from .sampling import MAX_SEED, Sampling, check_sampling, logits_processors, pick_token
 from .stops import (
     STAND_IN_REPLY,
     STAND_IN_USER,
@@ -71,6 +73,7 @@ from .stops import (
 from .stream import TextStream
 
 __all__ = [
+    "MAX_SEED",
     "STAND_IN_REPLY",
     "STAND_IN_USER",
     "STOP_REASONS",
@@ -79,6 +82,7 @@ __all__ = [
     "Sampling",
     "TemplateError",
     "TextStream",
+    "check_sampling",
     "closing_text",
     "end_of_turn_id",
     "generate",

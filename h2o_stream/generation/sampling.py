@@ -23,7 +23,11 @@ from transformers import (
     TopPLogitsWarper,
 )
 
-from h2o_stream.errors import H2OStreamError
+from h2o_stream.errors import H2OStreamError, option_name
+
+#: the largest seed: torch.Generator.manual_seed takes 64-bit seeds (a negative one is taken as 2**64 plus it, the
+#: same stream as a seed in range, so seeds are 0..MAX_SEED and each names one stream)
+MAX_SEED = 2**64 - 1
 
 
 @dataclass
@@ -47,16 +51,17 @@ class Sampling:
     no_repeat_ngram_size: int = 0
 
     def __post_init__(self):
-        _check_number("temperature", self.temperature, lambda v: v >= 0, ">= 0")
-        _check_number("top-p", self.top_p, lambda v: 0 < v <= 1, "in (0, 1]")
-        _check_number("repetition-penalty", self.repetition_penalty, lambda v: v >= 1, ">= 1 (1 = off)")
-        _check_int("max-new-tokens", self.max_new_tokens, 1)
-        _check_int("top-k", self.top_k, 0)
-        _check_int("no-repeat-ngram-size", self.no_repeat_ngram_size, 0)
+        check_sampling(
+            temperature=self.temperature,
+            top_p=self.top_p,
+            max_new_tokens=self.max_new_tokens,
+            seed=self.seed,
+            top_k=self.top_k,
+            repetition_penalty=self.repetition_penalty,
+            no_repeat_ngram_size=self.no_repeat_ngram_size,
+        )
         if self.seed is None:
             self.seed = secrets.randbits(63)
-        else:
-            _check_int("seed", self.seed, 0)
         self.temperature = float(self.temperature)
         self.top_p = float(self.top_p)
         self.repetition_penalty = float(self.repetition_penalty)
@@ -71,14 +76,39 @@ class Sampling:
         return torch.Generator().manual_seed(self.seed)
 
 
+#: the checks of Sampling's fields: a number with its test, or an integer with its bounds
+_NUMBERS = {
+    "temperature": (lambda x: x >= 0, ">= 0"),
+    "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
+    "repetition_penalty": (lambda x: x >= 1, ">= 1 (1 = off)"),
+}
+_INTEGERS = {"max_new_tokens": (1, None), "top_k": (0, None), "no_repeat_ngram_size": (0, None), "seed": (0, MAX_SEED)}
+
+
+def check_sampling(*, options: bool = False, **settings) -> None:
+    """Refuse a bad sampling setting (`Sampling`'s fields by name; those not given are not checked; seed None is a
+    random seed) with one message naming it: as the field (top_p), or with `options` as a command's option names it
+    (--top-p)."""
+    name = option_name if options else str
+    for key, value in settings.items():
+        if key in _NUMBERS:
+            _check_number(name(key), value, *_NUMBERS[key])
+        elif key in _INTEGERS:
+            if not (key == "seed" and value is None):
+                _check_int(name(key), value, *_INTEGERS[key])
+        else:
+            raise H2OStreamError(f"no sampling setting is named {key}; they are {', '.join([*_NUMBERS, *_INTEGERS])}")
+
+
 def _check_number(name: str, value, ok, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
         raise H2OStreamError(f"{name} must be a number {what}, got {value!r}")
 
 
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise H2OStreamError(f"{name} must be an integer >= {low}, got {value!r}")
+def _check_int(name: str, value, low: int, high: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        what = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise H2OStreamError(f"{name} must be an integer {what}, got {value!r}")
 
 
 def logits_processors(sampling: Sampling) -> LogitsProcessorList:

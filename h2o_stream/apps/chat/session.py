@@ -19,6 +19,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Sequence
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,6 +42,11 @@ _TURN_REASON = {"eos": "end", "length": "length", "cancelled": "interrupted"}  #
 def chat_sampling(**settings) -> Sampling:
     """`CHAT_SAMPLING` with `settings` (e.g. seed=1) instead of the defaults they name."""
     return Sampling(**{**CHAT_SAMPLING, **settings})
+
+
+def _check_chunk_size(chunk_size) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise H2OStreamError(f"chunk size must be an integer >= 1, got {chunk_size!r}")
 
 
 class _Cancelled(Exception):
@@ -82,8 +88,7 @@ class ChatSession:
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         model_name: str | None = None,
     ):
-        if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-            raise H2OStreamError(f"chunk size must be an integer >= 1, got {chunk_size!r}")
+        _check_chunk_size(chunk_size)
         if system is not None and not system.strip():
             system = None
         self.model = model
@@ -333,16 +338,33 @@ class ChatSession:
         self.generator = self.sampling.new_generator()
         self._reset_counters()
 
+    def change_settings(self, *, chunk_size: int | None = None, **sampling) -> None:
+        """Change what a session can change without touching its cache: the chunk size and the sampling settings
+        (`Sampling`'s fields by name; a new seed starts the random stream afresh from it). All are checked first: on
+        an error nothing changes. The cache (policy, size, rolling) and the system prompt, which is in the cache,
+        stay as they are."""
+        self._check_idle("change the settings")
+        if chunk_size is not None:
+            _check_chunk_size(chunk_size)
+        new = Sampling(**{**asdict(self.sampling), **sampling})
+        if chunk_size is not None:
+            self.chunk_size = chunk_size
+        self.sampling = new
+        if "seed" in sampling:
+            self.generator = new.new_generator()
+
     def stats(self) -> dict:
         """Counters for people and benchmarks: tokens, cache occupancy, evictions, speed, memory."""
         return session_stats(self)
 
     # -- save / load --------------------------------------------------------------------------------------------------
 
-    def save(self, path: str | os.PathLike) -> Path:
-        """Write the session (cache and scores, counters, settings, RNG state) to `path`, atomically."""
+    def save(self, path: str | os.PathLike, *, force: bool = False) -> Path:
+        """Write the session (cache and scores, counters, settings, RNG state) to `path`, atomically. A file there
+        is replaced if it is a chat session; anything else (a user's file, another kind of h2o-stream file) only
+        with `force`, else `session_file.NotReplaced`."""
         self._check_idle("save the session")
-        return session_file.save(self, path)
+        return session_file.save(self, path, force=force)
 
     def load(self, path: str | os.PathLike) -> None:
         """Resume the session saved in `path`: its cache, counters, system prompt, policy and sampling settings.

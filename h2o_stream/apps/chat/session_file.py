@@ -22,7 +22,7 @@ import torch
 from h2o_stream.engine.cache import StreamingCache
 from h2o_stream.engine.policies import EvictionPolicy, policy_class
 from h2o_stream.errors import H2OStreamError, one_line
-from h2o_stream.files import MAGIC, UnverifiedFile, read_verified, write_verified
+from h2o_stream.files import MAGIC, UnverifiedFile, not_ours, read_verified, write_verified
 from h2o_stream.generation import Sampling
 
 from .formats import ChatFormat, chat_format
@@ -66,13 +66,29 @@ def tokenizer_fingerprint(tokenizer, fmt: ChatFormat) -> dict:
     return {"vocab": len(tokenizer), "probe": fmt.encode(_PROBE_TEXT), "format": fmt.fingerprint()}
 
 
-def save(session, path: str | os.PathLike) -> Path:
-    """Write `session` (a ChatSession) to `path`, atomically; the path written."""
+class NotReplaced(H2OStreamError):
+    """`save` found a file at its path that is not a chat session (`what` completes "<path> ...") and left it there:
+    only `force=True` replaces it."""
+
+    def __init__(self, path: Path, what: str):
+        super().__init__(
+            f"cannot save the session to {path}: it {what}, not a chat session, and is not replaced "
+            "unless forced (force=True); choose another file"
+        )
+        self.path, self.what = path, what
+
+
+def save(session, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Write `session` (a ChatSession) to `path`, atomically; the path written. A file already at `path` is replaced
+    when it is a chat session (an older save); anything else only with `force` (else NotReplaced)."""
     path = Path(path).expanduser()
     if path.is_dir():
         raise H2OStreamError(f"cannot save the session to {path}: it is a directory; give a file name")
     if not path.parent.is_dir():
         raise H2OStreamError(f"cannot save the session to {path}: the directory {path.parent} does not exist")
+    what = None if force else not_ours(path, SESSION_FORMAT)
+    if what is not None:
+        raise NotReplaced(path, what)
     state = {
         "model": session.fingerprint,
         "tokenizer": tokenizer_fingerprint(session.tokenizer, session.format),

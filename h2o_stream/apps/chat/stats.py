@@ -106,14 +106,15 @@ def loaded_summary(session, path) -> str:
         f"repetition-penalty {sampling.repetition_penalty:g}, max-new-tokens {sampling.max_new_tokens}"
     )
     if session.system:
-        text += f", system prompt {_clip(session.system)!r}"
+        text += f", system prompt {clip(session.system)!r}"
     recent = session.recent_messages
     if recent:
-        text += f"\nlast reply: {_clip(recent[-1]['content'], 200)}"
+        text += f"\nlast reply: {clip(recent[-1]['content'], 200)}"
     return text
 
 
-def _clip(text: str, limit: int = 60) -> str:
+def clip(text: str, limit: int = 60) -> str:
+    """`text` on one line, cut to `limit` characters."""
     text = " ".join(text.split())
     return text if len(text) <= limit else text[: limit - 3] + "..."
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import urllib.error
+import urllib.parse
 import urllib.request
 import uuid
 from collections.abc import Callable, Generator, Iterator
@@ -28,6 +29,30 @@ class _Described:
         return self.text
 
 
+def base_url(url: str, name: str = "the server URL") -> str:
+    """The API's base URL for a server given as `url`, an http:// or https:// URL with a host (/v1 added when it
+    does not end so); else H2OStreamError, whose message starts with `name` (a command passes its option's)."""
+    example = "e.g. http://127.0.0.1:8000/v1"
+    if not isinstance(url, str) or not url:
+        raise H2OStreamError(f"{name} is empty: give a server's URL ({example})")
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise H2OStreamError(f"{name} {url!r} holds a space or control character: a URL has none ({example})")
+    parts = urllib.parse.urlsplit(url)
+    if parts.scheme.lower() not in ("http", "https") or "://" not in url:
+        hint = f"; did you mean http://{url}?" if "://" not in url else f" ({example})"
+        raise H2OStreamError(f"{name} {url!r} is not an http:// or https:// URL{hint}")
+    try:
+        parts.port  # noqa: B018 - parsing the port is the check
+    except ValueError:
+        raise H2OStreamError(f"{name} {url!r} has a port that is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise H2OStreamError(f"{name} {url!r} names no host ({example})")
+    if parts.query or parts.fragment:
+        raise H2OStreamError(f"{name} {url!r} is a base URL: it takes no ?query or #fragment ({example})")
+    url = url.rstrip("/")
+    return url if url.endswith("/v1") else url + "/v1"
+
+
 class RemoteSession:
     """A conversation on the server at `url` (its base URL, e.g. http://127.0.0.1:8000/v1)."""
 
@@ -42,7 +67,7 @@ class RemoteSession:
         seed: int | None = None,
         timeout: float = 600,
     ):
-        self.url = url.rstrip("/") if url.rstrip("/").endswith("/v1") else url.rstrip("/") + "/v1"
+        self.url = base_url(url)
         self.api_key, self.timeout, self.seed = api_key, timeout, seed
         self.sampling = sampling or Sampling()
         self.system = system if system and system.strip() else None
@@ -143,7 +168,7 @@ class RemoteSession:
             "rss_bytes": 0,
         }
 
-    def save(self, path):
+    def save(self, path, *, force: bool = False):
         raise H2OStreamError(
             "/save is not available with --server: the server keeps the conversation (in its --state-dir)"
         )

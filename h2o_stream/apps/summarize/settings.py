@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from h2o_stream.engine.policies import make_policy, policy_class
-from h2o_stream.errors import H2OStreamError
+from h2o_stream.errors import H2OStreamError, option_name
 
 STRATEGIES = ("single", "hierarchical")
 DEFAULT_POLICY = "h2o"
@@ -55,11 +55,6 @@ def check_settings(
         make_policy(policy, cache_size, **(parts or {}))  # raises on a bad policy setting
     positive_int(name("chunk_size"), chunk_size)
     return instruction, max_new_tokens, section_instruction
-
-
-def option_name(argument: str) -> str:
-    """summarize()'s argument name as the command's option: max_new_tokens -> --max-new-tokens."""
-    return "--" + argument.replace("_", "-")
 
 
 def nonempty(name: str, value) -> str:
