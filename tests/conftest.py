@@ -47,23 +47,28 @@ DEFAULT_TRAINING_TEXTS = [
 ]
 
 
+#: marker -> (the option that runs its tests, what they run): the real named models, too slow for the default run
+REAL_MODELS = {
+    "gemma": ("--gemma", "the real Gemma 3 270M (fetched once; about half an hour on 2 cores)"),
+    "qwen": ("--qwen", "the real Qwen2.5-Coder-1.5B-Instruct (fetched once, 1.1 GB; about half an hour on 2 cores)"),
+}
+
+
 def pytest_addoption(parser):
-    parser.addoption(
-        "--gemma",
-        action="store_true",
-        help="also run the checks on the real Gemma 3 270M (fetched once; about half an hour on 2 cores)",
-    )
+    for option, runs in REAL_MODELS.values():
+        parser.addoption(option, action="store_true", help=f"also run the checks on {runs}")
 
 
 def pytest_collection_modifyitems(config, items):
-    """The `gemma` tests only with --gemma: half an hour on 2 cores, where the rest of the suite takes a quarter;
-    `python -m eval quality equivalence` commits the same measurement."""
-    if config.getoption("--gemma"):
-        return
-    skip = pytest.mark.skip(reason="the real Gemma 3 270M: run with --gemma")
-    for item in items:
-        if item.get_closest_marker("gemma"):
-            item.add_marker(skip)
+    """The tests of a real named model only with its option: each takes about half an hour on 2 cores, where the
+    rest of the suite takes a quarter; `python -m eval quality equivalence` commits the same measurement."""
+    for marker, (option, runs) in REAL_MODELS.items():
+        if config.getoption(option):
+            continue
+        skip = pytest.mark.skip(reason=f"{runs}: run with {option}")
+        for item in items:
+            if item.get_closest_marker(marker):
+                item.add_marker(skip)
 
 
 def pytest_unconfigure(config):

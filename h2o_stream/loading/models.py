@@ -108,8 +108,8 @@ def load_model(
 ) -> LoadedModel:
     """Load a causal LM and its tokenizer, in eval mode without gradients, on `device` in `dtype`.
 
-    `spec` is None or "smollm2" for the default model, another named model ("gemma3-270m": NAMED_MODELS), a .gguf
-    file (converted once and cached by its sha256), a model directory, or a Hub id.
+    `spec` is None or "smollm2" for the default model, another named model ("gemma3-270m", "qwen2.5-coder-1.5b":
+    NAMED_MODELS), a .gguf file (converted once and cached by its sha256), a model directory, or a Hub id.
     """
     # Check every option before the slow part, so a typo fails in a second rather than after a load.
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
@@ -121,7 +121,7 @@ def load_model(
 
     if spec is not None and not str(spec).strip():
         raise H2OStreamError(
-            "the model to load is an empty string: pass smollm2, gemma3-270m, a .gguf file, a model "
+            f"the model to load is an empty string: pass {', '.join(NAMED_MODELS)}, a .gguf file, a model "
             "directory or a Hub id"
         )
     named = None if spec is None else str(spec).strip().lower()
