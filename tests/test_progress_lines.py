@@ -158,3 +158,17 @@ def test_a_bad_interval_is_one_error_before_the_model_loads(corpus, tmp_path, ca
     code, _, stderr = command(capsys, "calibrate", "--model", tmp_path / "no-such-model", "--data", corpus,
                               "--out", tmp_path / "heads.json")  # fmt: skip
     assert code == 2 and PROGRESS_EVERY_VARIABLE in stderr.strip().splitlines()[-1], stderr
+
+
+def test_ppl_in_a_terminal_draws_its_bar_and_prints_no_lines(ppl_model_dir, corpus, tmp_path):
+    import pexpect
+
+    env = {**subprocess_env(**{PROGRESS_EVERY_VARIABLE: "0.0001"}), "TQDM_DISABLE": "0"}
+    args = ppl_command("--model", ppl_model_dir, "--data", corpus, "--policy", "h2o", "--cache-size", 16,
+                       "--tokens", 300, "--chunk-size", 8, "--out", tmp_path / "out")  # fmt: skip
+    child = pexpect.spawn(args[0], args[1:], env=env, encoding="utf-8", timeout=120, dimensions=(40, 200))
+    shown = child.read()
+    child.close()
+    assert child.exitstatus == 0, shown
+    assert re.search(r"\rh2o-16: +\d+%\|", shown), shown[-2000:]
+    assert progress_lines(shown.replace("\r\n", "\n")) == {}
