@@ -68,8 +68,7 @@ def test_the_lock_is_released_after_a_run(base, tmp_path, capsys):
 def test_a_read_only_out_fails_before_the_model_loads(base, tmp_path, capsys, no_model_load):
     out, reason = read_only_directory(tmp_path)  # one that refuses root too: the tests run as root in CI
     message = ppl_error(capsys, *base, "--out", out)
-    refused = f"cannot write into --out {out} ({reason})"
-    assert ("which is a file" if reason == os.strerror(errno.ENOTDIR) else refused) in message
+    assert f"cannot write into --out {out} ({reason})" in message
 
 
 @pytest.mark.parametrize("where, message", [("file.txt", "is a file"), ("file.txt/out", "which is a file")])
