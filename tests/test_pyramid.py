@@ -12,7 +12,9 @@ import torch
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, stream_perplexity
 from h2o_stream.engine.layer_types import layer_windows
 from h2o_stream.engine.policies.declarations import pyramid_budgets
-from tiny_models import random_ids, tiny_model
+from oracle import stream_for
+from policy_matrix import EVICTING, build
+from tiny_models import VOCAB, random_ids, tiny_model
 
 
 @pytest.mark.parametrize("ranked, layers, beta", [(224, 30, 20), (7, 2, 2), (100, 7, 3), (5, 4, 20), (64, 1, 20)])
@@ -145,3 +147,25 @@ def test_in_steady_state_no_forward_rebuilds_a_rotation_table():
         handle.remove()
     forwards = (200 - 124) // 4
     assert len(calls) == forwards  # the model's own rotation of each forward's tokens, nothing more
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_policy_keeps_each_layer_within_its_budget_and_all_layers_within_cache_size_times_layers(policy):
+    """What README.md and docs/design.md state: once settled, each layer holds at most its own budget per KV head
+    (the cache size; pyramid's lowest layers more, its highest fewer), all layers together at most the cache size x
+    the layers, and a query sees at most its layer's budget + 1 keys."""
+    size, layers = 8, 3
+    model = tiny_model("llama", num_hidden_layers=layers, num_key_value_heads=2, init_std=0.2)
+    spec = build(policy, size)
+    cache = StreamingCache(model, spec)
+    ids = stream_for(spec, 6 * size, seed=1, vocab=VOCAB)
+    for start in range(0, ids.shape[1], 3):
+        model(ids[:, start : start + 3], cache=cache)
+        cache.settle()
+        budgets = [layer.policy.budget for layer in cache.layers]
+        assert sum(budgets) == layers * size and all(layer.slots <= layer.policy.budget for layer in cache.layers)
+        assert cache.entries <= layers * size and cache.slots <= size
+    assert cache.seen > size and cache.evicted > 0
+    assert cache.max_keys_seen <= max(budgets) + 1
+    if spec.layer_schedule is not None:
+        assert max(budgets) > size > min(budgets) and cache.max_keys_seen > size + 1  # the lowest layer sees more

@@ -14,7 +14,7 @@ signature, so that `head_hybrid` refuses it on another model.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -69,9 +69,12 @@ def held_out_windows(tokenizer, source, books: Iterable[int] | None, windows: in
     )
 
 
-def older_mass(model, ids: torch.Tensor, cache_size: int, sinks: int) -> list[list[float]]:
+def older_mass(
+    model, ids: torch.Tensor, cache_size: int, sinks: int, on_progress: Callable[[int, int], None] | None = None
+) -> list[list[float]]:
     """Per model layer and KV head, the mean attention mass a query puts on keys a streaming head of this cache size
-    would have evicted (see the module docstring); `ids` (windows, length)."""
+    would have evicted (see the module docstring); `ids` (windows, length). `on_progress(done, total)` after each
+    window: the tokens read so far, of all the windows'."""
     config = model.config.get_text_config(decoder=True)
     group = config.num_attention_heads // (getattr(config, "num_key_value_heads", None) or config.num_attention_heads)
     length = ids.shape[1]
@@ -84,7 +87,7 @@ def older_mass(model, ids: torch.Tensor, cache_size: int, sinks: int) -> list[li
     totals: list[torch.Tensor] = []
     try:
         with torch.no_grad():
-            for window in ids:
+            for done, window in enumerate(ids, 1):
                 attentions = model(window[None], output_attentions=True, use_cache=False).attentions
                 for index, layer in enumerate(attentions):
                     per_query_head = (layer[0][:, queries].double() * older).sum(-1).mean(-1)  # (query heads,)
@@ -92,6 +95,8 @@ def older_mass(model, ids: torch.Tensor, cache_size: int, sinks: int) -> list[li
                     if len(totals) <= index:
                         totals.append(torch.zeros_like(per_kv_head))
                     totals[index] += per_kv_head
+                if on_progress is not None:
+                    on_progress(done * length, ids.numel())
     finally:
         model.set_attn_implementation(previous)
     return [[float(x) for x in masses] for masses in totals]
@@ -117,14 +122,16 @@ def calibrate(
     length: int = 1024,
     books: Iterable[int] | None = None,
     sliding: str = "window",
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """The head classification of `loaded` (a LoadedModel) on the text `source` (books: None for all): the content
-    of a classification file (`write_classification`)."""
+    of a classification file (`write_classification`). `on_progress(done, total)`: the tokens read so far, after
+    each window."""
     config = loaded.model.config.get_text_config(decoder=True)
     check_calibration(cache_size, sinks, share, windows, length, getattr(config, "max_position_embeddings", None))
     layers = policy_layers(config, sliding)
     ids = held_out_windows(loaded.tokenizer, source, books, windows, length)
-    masses = older_mass(loaded.model, ids, cache_size, sinks)
+    masses = older_mass(loaded.model, ids, cache_size, sinks, on_progress)
     digest = corpus_digest(source)
     return {
         "kind": CLASSIFICATION_KIND,

@@ -50,12 +50,14 @@ def calibrate(
 
     from h2o_stream.apps.calibrate import calibrate as classify_heads
     from h2o_stream.apps.calibrate import check_calibration, write_classification
+    from h2o_stream.apps.progress import Bars
     from h2o_stream.errors import H2OStreamError
     from h2o_stream.loading.models import load_model
 
     check_calibration(cache_size, sinks, retrieval_share, windows, length, None)  # before the model loads
     if os.path.exists(out) and not force:
         raise H2OStreamError(f"{out!r} exists; choose another --out or pass --force to replace it")
+    bars = Bars(leave=False)  # a bad H2O_STREAM_PROGRESS_EVERY fails here, before the model loads
     loading_note(model_spec)
     loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
     classification = classify_heads(
@@ -68,7 +70,9 @@ def calibrate(
         length=length,
         books=books,
         sliding=sliding,
+        on_progress=lambda done, total: bars.update("calibrating", done, total),
     )
+    bars.finish("calibrating")
     classification["command"] = recorded_command(command_argv())  # how to make it again
     write_classification(out, classification, overwrite=force)
     layers = classification["policy_layers"]

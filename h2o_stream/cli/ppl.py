@@ -193,9 +193,11 @@ def run_sweep(
     `resumes_as_given`) and exit."""
     from h2o_stream.apps.perplexity.ray_runs import check_address, run_on_ray
     from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
+    from h2o_stream.apps.progress import progress_every
     from h2o_stream.loading.models import load_model
 
     sweep.check()
+    progress_every()  # a bad H2O_STREAM_PROGRESS_EVERY fails before the model loads
     if ray_address is not None:  # a bad address fails in seconds, not after the model has loaded
         check_address(ray_address)
     note = lambda text: click.echo(text, err=True)  # noqa: E731

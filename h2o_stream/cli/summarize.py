@@ -125,6 +125,7 @@ def summarize(
 
     FILE is a text file, a PG-19 .jsonl (with --book), 'sample' (the books shipped with h2o-stream, with --book), or
     '-' for stdin. The summary streams to stdout; progress and statistics go to stderr."""
+    from h2o_stream.apps.progress import Bars
     from h2o_stream.apps.summarize import summarize as summarize_document
 
     check_settings(
@@ -149,25 +150,13 @@ def summarize(
     else:
         document = as_document(Path(file) if file != "sample" else file, book=book)  # fails here, before the model
 
-    bar = None
+    bars = None if quiet else Bars(leave=False)  # a bad H2O_STREAM_PROGRESS_EVERY fails here, before the model
 
     def progress(done: int, total: int) -> None:
-        nonlocal bar
-        if bar is None:
-            from tqdm import tqdm
-
-            bar = tqdm(
-                total=total,
-                unit="tok",
-                unit_scale=True,
-                desc="reading",
-                file=sys.stderr,
-                leave=False,
-                dynamic_ncols=True,
-            )
-        bar.update(done - bar.n)
+        assert bars is not None  # progress is reported unless --quiet
+        bars.update("reading", done, total)
         if done >= total:
-            bar.close()
+            bars.finish("reading")
 
     def section(part) -> None:
         if show_sections:
@@ -214,8 +203,8 @@ def summarize(
         on_warning=warn,
         **parts,
     )
-    if bar is not None:
-        bar.close()
+    if bars is not None:
+        bars.close()
     click.echo(paragraphs.finish())
     summary = unwrap(result.text)
     if result.stop_reason == "length" and not ends_a_sentence(summary):
