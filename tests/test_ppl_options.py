@@ -132,7 +132,7 @@ def test_full_within_the_models_positions_runs(base, capsys, args):
         (["--cache-size", 64, "--span", 7], {}, "--span 7 is not a multiple of the chunk size of h2o-64 (4)"),
         (["--model", "some-org/unknown-model"], {"HF_HUB_OFFLINE": "1"}, "offline mode is on"),
         (["--device", "cuda:99"], {}, "device 'cuda:99'"),
-        (["--dtype", "float64"], {}, "unknown dtype 'float64'"),
+        (["--dtype", "float64"], {}, "unknown --dtype 'float64'"),
     ],
     ids=["span", "offline-model", "device", "dtype"],
 )

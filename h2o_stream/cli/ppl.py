@@ -199,11 +199,10 @@ def run_sweep(
     `resumes_as_given`) and exit."""
     from h2o_stream.apps.perplexity.ray_runs import check_address, run_on_ray
     from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
-    from h2o_stream.loading.models import load_model, resolve_device, resolve_dtype
+    from h2o_stream.loading.models import load_model, resolve_device
 
     sweep.check()
-    resolve_dtype(loading["dtype"])  # a bad or missing dtype or device fails before --out is made
-    resolve_device(loading["device"])
+    resolve_device(loading["device"])  # a device this machine lacks fails before --out is made
     if ray_address is not None:  # a bad address fails in seconds, not after the model has loaded
         check_address(ray_address)
     note = lambda text: click.echo(text, err=True)  # noqa: E731
