@@ -114,7 +114,7 @@ def test_a_classification_of_another_model_or_no_classification_is_refused(ppl_m
     error = ppl_error(capsys, *args, "--policy", "head_hybrid", "--retrieval-heads", not_heads)
     assert "is not a head classification file" in error
     error = ppl_error(capsys, *args, "--policy", "head_hybrid")
-    assert "retrieval_heads must be given" in error
+    assert "--retrieval-heads must be given" in error
     assert not list(out.glob("*.json"))  # no run started (its lock file aside)
 
 
@@ -141,3 +141,20 @@ def test_eval_calibration_runs_what_is_missing_and_draws_the_committed_files(tmp
     with pytest.raises(SystemExit) as done:
         eval_main(["calibration", "figure", "--out", str(tmp_path / "figure.png")])
     assert done.value.code == 0 and (tmp_path / "figure.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "out, says",
+    [
+        ("missing/dir/heads.json", "the folder"),
+        ("/proc/heads.json", "no file can be created in /proc"),
+    ],
+    ids=["missing-folder", "unwritable-folder"],
+)
+def test_an_out_that_cannot_be_written_is_refused_before_the_model_loads(tmp_path, corpus, capsys, out, says):
+    target = tmp_path / out if not out.startswith("/") else out
+    code, _, stderr = calibrate(capsys, tmp_path / "no-such-model", corpus, target)  # a model that would fail to load
+    last = stderr.strip().splitlines()[-1]
+    assert code == 2 and last.startswith("Error: cannot write --out") and says in last, stderr
+    assert "Traceback" not in stderr and "loading " not in stderr
+    assert not (tmp_path / "missing").exists()

@@ -181,5 +181,5 @@ def test_a_bad_merge_span_on_the_command_line_is_one_error_line(ppl_model_dir, t
         "--merge-span",
         0,
     ]
-    assert "merge_span (cam's merge span) must be a whole number" in ppl_error(capsys, *args)
+    assert "--merge-span (cam's merge span) must be a whole number" in ppl_error(capsys, *args)
     assert not (tmp_path / "out").exists() or not list((tmp_path / "out").iterdir())

@@ -125,3 +125,50 @@ def test_a_name_resolves_to_the_object_its_module_defines():
     namespace: dict = {}
     exec("from h2o_stream import *", namespace)
     assert namespace["stream_perplexity"] is h2o_stream.stream_perplexity
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["ppl", "--tokens", "0"], "--tokens must be at least 2"),
+        (["ppl", "--cache-size", "0"], "--cache-size must be at least 1, got 0"),
+        (["ppl", "--cache-size", "16,0"], "--cache-size must be at least 1, got 0"),
+        (["ppl", "--chunk-size", "0"], "--chunk-size must be at least 1, got 0"),
+        (["ppl", "--span", "0"], "--span must be at least 1, got 0"),
+        (["ppl", "--heavy", "-1"], "--heavy must be at least 0, got -1"),
+        (["ppl", "--sinks", "4,-2"], "--sinks must be at least 0, got -2"),
+        (["ppl", "--checkpoint-every", "0"], "--checkpoint-every must be at least 1, got 0"),
+        (["ppl", "--book-tokens", "0"], "--book-tokens must be at least 1, got 0"),
+        (["ppl", "--tau-init", "0"], "--tau-init (keyformer's first temperature) must be a number in (0, "),
+        (["ppl", "--merge-span", "0"], "--merge-span (cam's merge span) must be a whole number in (0, "),
+        (["ppl", "--kernel", "4"], "--kernel must be an odd whole number"),
+        (["ppl", "--policy", "h2o,head_hybrid"], "--retrieval-heads must be given"),
+        (["ppl", "--dtype", "float64"], "unknown --dtype 'float64'"),
+        (["ppl", "--device", "gpu"], "unknown --device 'gpu'"),
+        (["leaderboard", "--dtype", "int8"], "unknown --dtype 'int8'"),
+        (["serve", "--device", "cpu:1"], "unknown --device 'cpu:1'"),
+        (["summarize", "doc.txt", "--dtype", "float64"], "unknown --dtype 'float64'"),
+        (["calibrate", "--out", "heads.json", "--device", "tpu"], "unknown --device 'tpu'"),
+        (["leaderboard", "--tokens", "1"], "--tokens must be at least 2"),
+        (["leaderboard", "--cache-size", "128,0"], "--cache-size must be at least 1, got 0"),
+        (["leaderboard", "--recent", "-1"], "--recent must be at least 0, got -1"),
+        (["serve", "--cache-size", "0"], "--cache-size must be at least 1, got 0"),
+        (["serve", "--heavy", "-3"], "--heavy must be at least 0, got -3"),
+        (["serve", "--alpha", "1.5"], "--alpha (the a2sf forgetting factor) must be a number in (0, 1]"),
+        (["summarize", "doc.txt", "--cache-size", "0"], "--cache-size must be at least 1, got 0"),
+        (["summarize", "doc.txt", "--chunk-size", "0"], "--chunk-size must be at least 1, got 0"),
+        (["calibrate", "--out", "heads.json", "--cache-size", "0"], "--cache-size must be at least 1, got 0"),
+        (["calibrate", "--out", "heads.json", "--sinks", "-1"], "--sinks must be at least 0, got -1"),
+        (["calibrate", "--out", "heads.json", "--windows", "0"], "--windows must be at least 1, got 0"),
+        (["calibrate", "--out", "heads.json", "--retrieval-share", "2"], "--retrieval-share must lie in [0, 1]"),
+    ],
+    ids=lambda value: " ".join(value) if isinstance(value, list) else None,
+)
+def test_plain_range_checks_answer_while_parsing_before_any_heavy_library_or_loading_note(tmp_path, args, says):
+    done, modules = imported_modules(tmp_path, *args)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and says in errors[0], done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and "loading " not in done.stderr
+    assert heavy_in(modules) == [], f"{' '.join(args)} imported {heavy_in(modules)[:5]}"
+    assert not list(tmp_path.iterdir()), "a refused command wrote files"

@@ -124,8 +124,8 @@ def test_a_bad_setting_is_one_clear_error(settings, message):
 @pytest.mark.parametrize(
     "option, value, message",
     [
-        ("--tau-init", 0, "tau_init (keyformer's first temperature) must be a number in (0, 1000000], got 0.0"),
-        ("--tau-steps", -1, "tau_steps (0: the cache size) must be a whole number in (-1, 1099511627776], got -1"),
+        ("--tau-init", 0, "--tau-init (keyformer's first temperature) must be a number in (0, 1000000], got 0.0"),
+        ("--tau-steps", -1, "--tau-steps (0: the cache size) must be a whole number in (-1, 1099511627776], got -1"),
     ],
 )
 def test_a_bad_setting_on_the_command_line_is_one_error_line(ppl_model_dir, tmp_path, capsys, option, value, message):

@@ -302,14 +302,17 @@ def test_directory_without_usable_files(ppl_model_dir, tmp_path, capsys):
     "args, message",
     [
         (["--tokens", 0], "--tokens"),
-        (["--cache-size", 0], "cache size"),
+        (["--cache-size", 0], "--cache-size must be at least 1"),
         (["--cache-size", "16", "--recent", 20], "cannot exceed"),
         (["--policy", "lru"], "unknown policy"),
         (["--sinks", -1, "--policy", "sink"], "sinks"),
         (["--chunk-size", 0], "chunk"),
         (["--chunk-size", 8, "--span", 12], "--span must be a positive multiple of the chunk size (8)"),
-        (["--span", 0], "--span must be a positive multiple"),
-        (["--policy", "h2o", "--cache-size", 64, "--span", 6], "must be a multiple of the chunk size 4, got 6"),
+        (["--span", 0], "--span must be at least 1, got 0"),
+        (
+            ["--policy", "h2o", "--cache-size", 64, "--span", 6],
+            "--span 6 is not a multiple of the chunk size of h2o-64 (4)",
+        ),
         (["--model", "/no/such/model"], "not found"),
     ],
 )

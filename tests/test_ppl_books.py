@@ -87,7 +87,7 @@ def test_books_the_corpus_lacks_are_one_error_before_anything_is_written(ppl_mod
 @pytest.mark.parametrize(
     ("option", "value", "says"),
     [("--books", "3-1", "the range '3-1' ends before it starts"), ("--books", "x", "'x' is not a book index"),
-     ("--book-tokens", 0, "0 is not in the range x>=1")],
+     ("--book-tokens", 0, "--book-tokens must be at least 1, got 0")],
 )  # fmt: skip
 def test_bad_selections_are_usage_errors(tmp_path, capsys, option, value, says):
     code, _, err = ppl(capsys, "--data", "sample", option, value, "--out", tmp_path / "out")

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ppl_helpers import ppl_error, write_corpus
+from ppl_helpers import ppl, ppl_error, snapshot, write_corpus
 
 
 @pytest.fixture
@@ -88,3 +88,69 @@ def test_offline_mode_goes_to_the_local_cache_only(base, capsys, monkeypatch, no
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     args = [a if a != base[1] else "h2o-stream-tests/no-such-model" for a in base]
     assert "offline mode is on: HF_HUB_OFFLINE is set" in ppl_error(capsys, *args)
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--policy", "full", "--tokens", 1025], "use --tokens 1024 or fewer, or --reset-per-book with --book-tokens"),
+        (["--policy", "sink,full", "--cache-size", 16, "--tokens", 1025], "--policy full keeps every token"),
+        (["--policy", "full", "--tokens", 1025, "--skip-tokens", 4000], "use --tokens 1024 or fewer"),
+        (["--policy", "full", "--tokens", 1025, "--book-tokens", 2000], "use --tokens 1024 or fewer"),
+        (["--policy", "full", "--tokens", 3000, "--reset-per-book"], "use --book-tokens 1024 or fewer"),
+        (
+            ["--policy", "full", "--tokens", 3000, "--reset-per-book", "--book-tokens", 1100],
+            "book 0 has more than 1,024 tokens",
+        ),
+    ],
+)
+def test_full_whose_cache_outgrows_the_models_positions_is_refused_before_any_run(base, capsys, args, says):
+    """full keeps every token, so its positions grow with the stream (or, with --reset-per-book, with each book):
+    a stream or book longer than the model's 1,024 positions is refused up front, naming what to change."""
+    code, _, stderr = ppl(capsys, *base, *args)
+    assert code == 2 and stderr.strip().splitlines()[-1].startswith("Error: "), stderr
+    assert says in stderr.strip().splitlines()[-1] and "Traceback" not in stderr
+    assert "== " not in stderr, "a run started before the check"
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--tokens", 1024],
+        ["--tokens", 2000, "--reset-per-book", "--book-tokens", 1000],
+    ],
+    ids=["the-whole-stream-fits", "each-book-fits"],
+)
+def test_full_within_the_models_positions_runs(base, capsys, args):
+    code, _, stderr = ppl(capsys, *base, "--policy", "full", "--chunk-size", 64, *args)
+    assert code == 0, stderr
+
+
+@pytest.mark.parametrize(
+    "args, env, says",
+    [
+        (["--cache-size", 64, "--span", 7], {}, "--span 7 is not a multiple of the chunk size of h2o-64 (4)"),
+        (["--model", "some-org/unknown-model"], {"HF_HUB_OFFLINE": "1"}, "offline mode is on"),
+        (["--device", "cuda:99"], {}, "device 'cuda:99'"),
+        (["--dtype", "float64"], {}, "unknown --dtype 'float64'"),
+    ],
+    ids=["span", "offline-model", "device", "dtype"],
+)
+def test_a_refused_run_leaves_no_out_folder_behind(ppl_model_dir, tmp_path, capsys, monkeypatch, args, env, says):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    out = tmp_path / "new" / "out"
+    base = ["--model", ppl_model_dir, "--data", write_corpus(tmp_path / "corpus.jsonl"), "--tokens", 300]
+    message = ppl_error(capsys, *base, "--policy", "h2o", "--cache-size", 16, "--out", out, *args)
+    assert says in message
+    assert not (tmp_path / "new").exists(), "the refused run left its --out behind"
+
+
+def test_a_refused_run_keeps_an_existing_out_folder_as_it_was(ppl_model_dir, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    args = ["--model", "some-org/unknown-model", "--data", write_corpus(tmp_path / "corpus.jsonl"), "--out", out]
+    assert "offline mode is on" in ppl_error(capsys, *args, "--tokens", 300)
+    assert snapshot(out) == {"notes.txt": b"mine"} and [p.name for p in out.iterdir()] == ["notes.txt"]

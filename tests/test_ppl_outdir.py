@@ -117,3 +117,19 @@ def test_an_existing_report_is_not_overwritten_without_resume(base, tmp_path, ca
     (out / report).write_bytes(b"someone's earlier report")
     assert "--resume" in ppl_error(capsys, *base, "--out", out)
     assert (out / report).read_bytes() == b"someone's earlier report"
+
+
+def test_a_claim_that_fails_before_writing_removes_what_it_made_and_keeps_what_was_written(tmp_path):
+    out = tmp_path / "a" / "b" / "out"
+    with pytest.raises(RuntimeError), claim(out):
+        raise RuntimeError("refused")
+    assert not (tmp_path / "a").exists()
+    with pytest.raises(RuntimeError), claim(out) as held:
+        (held / "run.ckpt").write_text("work")
+        raise RuntimeError("failed later")
+    assert (out / "run.ckpt").read_text() == "work"
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    with pytest.raises(RuntimeError), claim(existing):
+        raise RuntimeError("refused")
+    assert existing.is_dir() and not list(existing.iterdir())

@@ -186,3 +186,24 @@ def test_conversations_of_another_model_are_not_matched_and_their_files_are_kept
     with served(model, tokenizer, tmp_path) as server:  # the first model again: its conversation is there
         _, again = _talk(server.client(), [("hello", text)], "and now?")
         assert again["how"] == "continued" and again["conversation"] == info["conversation"]
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "no-such-host.invalid"], ids=["busy-port", "bad-host"])
+def test_a_busy_port_or_a_bad_host_is_refused_before_the_model_loads_leaving_nothing(tmp_path, capsys, host):
+    import socket
+
+    from ppl_helpers import command
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        state = tmp_path / "state"
+        # a model that would fail to load: the port's error shows that the socket came first
+        code, _, stderr = command(
+            capsys, "serve", "--model", tmp_path / "no-such-model", "--host", host, "--port", port, "--state-dir", state
+        )
+    last = stderr.strip().splitlines()[-1]
+    assert code == 2 and last.startswith(f"Error: cannot listen on {host}:{port}"), stderr
+    assert "Traceback" not in stderr and "loading " not in stderr
+    assert not state.exists()

@@ -205,7 +205,7 @@ def test_a_sentence_ends_at_its_stop_with_quotes_after_it():
         (["sample", "--book", "Ulysses"], "no book 'Ulysses' in sample"),
         (["-", "--book", "1"], "--book needs a corpus"),
         (["{tmp}/doc.txt", "--instruction", ""], "instruction is empty"),
-        (["{tmp}/doc.txt", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),  # the option, as typed
+        (["{tmp}/doc.txt", "--max-new-tokens", "0"], "--max-new-tokens must be at least 1"),  # the option, as typed
         (["{tmp}/doc.txt", "--cache-size", "big"], "--cache-size must be a whole number"),
         (["{tmp}/doc.txt", "--out", "{tmp}/nowhere/summary.md"], "directory .*nowhere does not exist"),
     ],

@@ -155,12 +155,15 @@ def test_stdin_that_is_not_utf8_text_is_one_error_line(data, message):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--max-new-tokens", "0"], "Error: --max-new-tokens must be >= 1, got 0"),
-        (["--chunk-size", "0"], "Error: --chunk-size must be >= 1, got 0"),
-        (["--strategy", "hierarchical", "--section-tokens", "-3"], "Error: --section-tokens must be >= 1, got -3"),
+        (["--max-new-tokens", "0"], "Error: --max-new-tokens must be at least 1, got 0"),
+        (["--chunk-size", "0"], "Error: --chunk-size must be at least 1, got 0"),
+        (
+            ["--strategy", "hierarchical", "--section-tokens", "-3"],
+            "Error: --section-tokens must be at least 1, got -3",
+        ),
         (
             ["--strategy", "hierarchical", "--section-max-new-tokens", "0"],
-            "Error: --section-max-new-tokens must be >= 1, got 0",
+            "Error: --section-max-new-tokens must be at least 1, got 0",
         ),
         (["--instruction", " "], "Error: --instruction is empty"),
     ],

@@ -14,6 +14,7 @@ signature, so that `head_hybrid` refuses it on another model.
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Callable, Iterable
 
 import torch
@@ -159,8 +160,27 @@ def calibrate(
     }
 
 
+def check_writable(path: str | os.PathLike) -> None:
+    """Refuse (before any work) a classification file `path` whose folder is missing or takes no new file: a file is
+    created there and removed again."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise H2OStreamError(f"cannot write --out {os.fspath(path)}: the folder {folder} does not exist")
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".h2o-stream-write-probe-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as error:
+        raise H2OStreamError(
+            f"cannot write --out {os.fspath(path)}: no file can be created in {folder} ({error.strerror or error})"
+        ) from None
+
+
 def write_classification(path: str | os.PathLike, classification: dict, *, overwrite: bool = False) -> None:
     """Write `classification` to `path` atomically; an existing file is refused unless `overwrite`."""
     if os.path.exists(path) and not overwrite:
         raise H2OStreamError(f"{os.fspath(path)!r} exists; choose another --out or pass --force to replace it")
-    write_json(path, classification)
+    try:
+        write_json(path, classification)
+    except OSError as error:
+        raise H2OStreamError(f"cannot write {os.fspath(path)}: {error.strerror or error}") from None

@@ -12,6 +12,7 @@ from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
 
 from .options import (
+    at_least,
     books_options,
     cache_options,
     checkpoint_option,
@@ -35,7 +36,14 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts and not c
 @click.command()
 @model_options
 @cache_options(BOUNDED, "128,256,512", multiple=True)
-@click.option("--tokens", type=click.IntRange(min=2), default=250_000, show_default=True, help="Stream tokens per run.")
+@click.option(
+    "--tokens",
+    type=int,
+    default=250_000,
+    show_default=True,
+    callback=at_least(2, " (the stream's first token is not predicted)"),
+    help="Stream tokens per run.",
+)
 @data_option
 @books_options
 @click.option(

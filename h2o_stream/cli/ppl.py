@@ -15,6 +15,7 @@ from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.errors import H2OStreamError
 
 from .options import (
+    at_least,
     books_options,
     cache_options,
     checkpoint_option,
@@ -39,6 +40,7 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     "--chunk-size",
     type=int,
     default=None,
+    callback=at_least(1),
     help="Tokens per forward pass (fast mode). Default: 256 for sink, window and full (their chunks equal "
     "exact mode), a sixteenth of the cache size for the other policies, but at most the largest power "
     "of two up to their recent window + 1 (a chunk shields its own tokens from cuts: tova 1); roco "
@@ -51,6 +53,7 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     "--span",
     type=int,
     default=None,
+    callback=at_least(1),
     help="Tokens per model forward, a multiple of the chunk size; the cache still decides every chunk, "
     "inside each layer, so results are the same as one forward per chunk (speed only). Default: the "
     "largest multiple of the chunk size up to 256.",
@@ -61,7 +64,14 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     help="Let a chunk's queries see all cached entries plus their chunk predecessors (up to cache size + "
     "chunk size keys). By default no query sees more than cache size + 1 keys, as in exact mode.",
 )
-@click.option("--tokens", type=int, default=100_000, show_default=True, help="Stream tokens to evaluate per run.")
+@click.option(
+    "--tokens",
+    type=int,
+    default=100_000,
+    show_default=True,
+    callback=at_least(2, " (the stream's first token is not predicted)"),
+    help="Stream tokens to evaluate per run.",
+)
 @data_option
 @books_options
 @click.option("--skip-tokens", type=click.IntRange(min=0), default=0, help="Start this far into the stream.")
@@ -131,12 +141,8 @@ def ppl(
         if chunk_size not in (None, 1):
             raise H2OStreamError("--exact runs token by token; drop --chunk-size or --exact")
         chunk_size = 1
-    if chunk_size is not None and chunk_size < 1:
-        raise H2OStreamError(f"--chunk-size must be at least 1, got {chunk_size}")
-    if span is not None and (span < 1 or (chunk_size is not None and span % chunk_size)):
-        raise H2OStreamError(
-            f"--span must be a positive multiple of the chunk size ({chunk_size or 'per policy'}), got {span}"
-        )
+    if span is not None and chunk_size is not None and span % chunk_size:
+        raise H2OStreamError(f"--span must be a positive multiple of the chunk size ({chunk_size}), got {span}")
     loading_note(model_spec)
     from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 
@@ -194,10 +200,11 @@ def run_sweep(
     from h2o_stream.apps.perplexity.ray_runs import check_address, run_on_ray
     from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
     from h2o_stream.apps.progress import progress_every
-    from h2o_stream.loading.models import load_model
+    from h2o_stream.loading.models import load_model, resolve_device
 
     sweep.check()
     progress_every()  # a bad H2O_STREAM_PROGRESS_EVERY fails before the model loads
+    resolve_device(loading["device"])  # a device this machine lacks fails before --out is made
     if ray_address is not None:  # a bad address fails in seconds, not after the model has loaded
         check_address(ray_address)
     note = lambda text: click.echo(text, err=True)  # noqa: E731

@@ -134,7 +134,7 @@ def serve(
         if importlib.util.find_spec(module) is None:
             raise H2OStreamError(f"h2o-stream serve needs {module}: pip install 'h2o-stream[serve]'")
     from h2o_stream.apps.serve import Limits, ServeSettings, Service
-    from h2o_stream.apps.serve.app import run
+    from h2o_stream.apps.serve.app import listen, run
     from h2o_stream.engine.policies import make_policy, policy_class
     from h2o_stream.loading.models import cache_dir, load_model
 
@@ -146,8 +146,13 @@ def serve(
     logging.basicConfig(level=log_level.upper(), format="%(levelname)s: %(message)s")
     if api_key is None and host not in ("127.0.0.1", "localhost", "::1"):
         _note(f"warning: listening on {host} without --api-key: anyone who reaches it can use it")
-    _note(f"loading {model_spec or 'the default model'} ...")
-    loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+    sock = listen(host, port)  # a busy port or a bad --host fails before the model loads
+    try:
+        _note(f"loading {model_spec or 'the default model'} ...")
+        loaded = load_model(model_spec, dtype=dtype, device=device, threads=threads)
+    except BaseException:
+        sock.close()
+        raise
     settings = ServeSettings(
         state_dir=state,
         served_model=model_name or served_name(loaded.name),
@@ -172,7 +177,7 @@ def serve(
             f"{in_memory} in memory" + (" | API key required" if settings.api_key else "")
         )
 
-    run(service, host, port, log_level=log_level, on_ready=ready)
+    run(service, host, port, log_level=log_level, on_ready=ready, sock=sock)
 
 
 def served_name(name: str) -> str:

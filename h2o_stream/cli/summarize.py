@@ -28,7 +28,7 @@ from h2o_stream.errors import H2OStreamError
 from h2o_stream.files import atomic_path
 from h2o_stream.loading.corpus import SAMPLE
 
-from .options import SEEDS, cache_options, model_options
+from .options import SEEDS, at_least, cache_options, model_options
 
 
 @click.command("summarize")
@@ -49,22 +49,28 @@ from .options import SEEDS, cache_options, model_options
     "sections, then the summaries.",
 )
 @click.option("--instruction", default=DEFAULT_INSTRUCTION, show_default=True, help="What to ask for.")
-@click.option("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, show_default=True)
+@click.option("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS, show_default=True, callback=at_least(1))
 @click.option(
     "--chunk-size",
     type=int,
     default=DEFAULT_CHUNK_SIZE,
     show_default=True,
+    callback=at_least(1),
     help="Tokens per forward pass while reading (1 = exact, token by token).",
 )
 @click.option(
-    "--section-tokens", type=int, default=None, help="hierarchical: tokens per section (default: the cache size)."
+    "--section-tokens",
+    type=int,
+    default=None,
+    callback=at_least(1),
+    help="hierarchical: tokens per section (default: the cache size).",
 )
 @click.option(
     "--section-max-new-tokens",
     type=int,
     default=DEFAULT_SECTION_MAX_NEW_TOKENS,
     show_default=True,
+    callback=at_least(1),
     help="hierarchical: length limit of each section summary.",
 )
 @click.option(

@@ -8,7 +8,6 @@ the default model is provisioned by `default_model`, the three kinds of source a
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +24,7 @@ from h2o_stream.loading.default_model import (
     load_gguf_once,
     load_named,
 )
+from h2o_stream.loading.names import device_name, dtype_name
 from h2o_stream.loading.sources import from_directory, from_hub
 
 if TYPE_CHECKING:
@@ -41,17 +41,6 @@ __all__ = [
     "resolve_dtype",
 ]
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-_DEVICE_PATTERN = re.compile(r"(cpu|mps|cuda)(?::(\d+))?")
-
 
 @dataclass
 class LoadedModel:
@@ -67,18 +56,12 @@ class LoadedModel:
 
 def resolve_dtype(name: str) -> torch.dtype:
     """The torch dtype called `name` (float32/fp32, bfloat16/bf16, float16/fp16, any case)."""
-    try:
-        return _DTYPES[name.strip().lower()]
-    except (KeyError, AttributeError):
-        raise H2OStreamError(f"unknown dtype {name!r}: choose one of {', '.join(_DTYPES)}") from None
+    return getattr(torch, dtype_name(name))
 
 
 def resolve_device(name: str) -> torch.device:
     """The device called `name`, refusing one that this machine's torch cannot use."""
-    match = _DEVICE_PATTERN.fullmatch(str(name).strip().lower())
-    if match is None or (match[1] != "cuda" and match[2] is not None):
-        raise H2OStreamError(f"unknown device {name!r}: choose cpu, cuda, cuda:N (a GPU number) or mps")
-    kind, index = match[1], match[2]
+    kind, index = device_name(name)
     if kind == "cuda":
         if not torch.cuda.is_available():
             why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"

@@ -24,12 +24,41 @@ LOCK_NAME = ".h2o-stream-ppl.lock"
 
 @contextlib.contextmanager
 def claim(out: str | os.PathLike) -> Iterator[Path]:
-    """Hold the output directory `out` (see the module docstring) for the duration of the block."""
+    """Hold the output directory `out` (see the module docstring) for the duration of the block. When the block
+    fails before anything is written into `out`, what the claim made is removed again (its lock file, and the
+    folders it created): a refused run leaves nothing behind, and a folder that was there before stays as it was."""
     out = Path(out).expanduser()
-    make_writable_dir(out)
-    with _locked(out):
-        remove_partials(out)
-        yield out
+    created = next((path for path in reversed((out, *out.parents)) if not path.exists()), None)
+    before = set(os.listdir(out)) if created is None and out.is_dir() else set()
+    try:
+        make_writable_dir(out)
+        with _locked(out):
+            remove_partials(out)
+            try:
+                yield out
+            except BaseException:
+                _undo(out, created, before)  # under the lock: no other run has taken the folder meanwhile
+                raise
+    except BaseException:
+        _undo(out, created, before)
+        raise
+
+
+def _undo(out: Path, created: Path | None, before: set[str]) -> None:
+    """Remove what a claim made in `out` when nothing else was written there since (`before`: the names it held):
+    the lock file it created, then `out` and its parents up to `created` (the highest folder it made; None: none)
+    while they are empty."""
+    with contextlib.suppress(OSError):
+        if not out.is_dir() or set(os.listdir(out)) - before - {LOCK_NAME}:
+            return
+        if LOCK_NAME not in before:
+            (out / LOCK_NAME).unlink(missing_ok=True)
+        if created is None:
+            return
+        for path in (out, *out.parents):
+            path.rmdir()  # only an empty folder goes
+            if path == created:
+                break
 
 
 def make_writable_dir(out: Path) -> None:

@@ -155,6 +155,8 @@ class Sweep:
         # without rolling, a stream longer than the model's positions fails up front (count one token past them)
         fixed_positions = not self.rolling and not self.reset_per_book
         context = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None) or 0
+        # a policy without a budget (full) keeps every token, so even rolled its positions grow with the stream
+        growing = next((name for name, policy in self.specs if policy.budget is None), None) if context else None
         streamed = check_stream(
             self.pieces(tokenizer),
             plans,
@@ -162,11 +164,40 @@ class Sweep:
             reset_per_book=self.reset_per_book,
             source=source,
             skip_tokens=self.skip_tokens,
-            count_to=context + 1 if fixed_positions else 0,
+            count_to=context + 1 if fixed_positions or (growing and not self.reset_per_book) else 0,
         )
         if fixed_positions:
             new_run(self.specs[0][1]).cache.check_fits(streamed)
+        if growing is not None and self.rolling:
+            self._check_growing(growing, streamed, context, tokenizer)
         return new_run, plans
+
+    def _check_growing(self, name: str, streamed: int, context: int, tokenizer) -> None:
+        """Refuse a run of a policy that keeps every token (`name`, full) whose cache would outgrow the model's
+        `context` positions: the whole stream of `streamed` tokens, or with --reset-per-book its longest book."""
+        if not self.reset_per_book:
+            if streamed > context:
+                raise H2OStreamError(
+                    f"--policy {name} keeps every token, so a stream of more than {context:,} tokens needs more "
+                    f"positions than the model's {context:,}: use --tokens {context} or fewer, or --reset-per-book "
+                    f"with --book-tokens {context} or fewer (each book then starts an empty cache)"
+                )
+            return
+        if self.tokens <= context or (self.book_tokens is not None and self.book_tokens <= context):
+            return
+        fed = 0
+        held: dict[int, int] = {}
+        for index, ids in self.pieces(tokenizer):
+            held[index] = held.get(index, 0) + min(ids.numel(), self.tokens - fed)
+            fed += ids.numel()
+            if held[index] > context:
+                raise H2OStreamError(
+                    f"--policy {name} keeps every token of a book (--reset-per-book), and book {index} has more "
+                    f"than {context:,} tokens within --tokens {self.tokens:,}, more than the model's {context:,} "
+                    f"positions: use --book-tokens {context} or fewer, or fewer --tokens"
+                )
+            if fed >= self.tokens:
+                return
 
     def check(self) -> None:
         """Fail before the model is loaded: results or reports in `out` without `resume`, or a corpus without books."""
@@ -174,6 +205,13 @@ class Sweep:
             raise H2OStreamError(
                 f"--tokens must be at least 2 (the stream's first token is not predicted), got {self.tokens}"
             )
+        for name, policy in self.specs:  # a --span that is not a multiple of a policy's own chunk size
+            chunk_size, span = forward_span(policy, self.chunk_size, self.span)
+            if span % chunk_size:
+                raise H2OStreamError(
+                    f"--span {span} is not a multiple of the chunk size of {name} ({chunk_size}); give a --span "
+                    "that is, or --chunk-size"
+                )
         out = Path(self.out)
         existing = (
             sorted(out.glob("*.ckpt")) + sorted(out.glob("*.json")) + [out / r for r in REPORTS] if out.is_dir() else []

@@ -195,12 +195,10 @@ def _auth_header(error: ApiError) -> dict:
     return {"WWW-Authenticate": "Bearer"} if error.status == 401 else {}
 
 
-def make_server(service: Service, host: str, port: int, *, log_level: str = "info"):
-    """A uvicorn server for `service` and the socket it will serve on (bound now: port 0 picks a free one), and the
-    base URL clients use. `server.run(sockets=[sock])` serves until SIGINT or SIGTERM (or `server.should_exit`)."""
+def listen(host: str, port: int):
+    """A socket bound to host:port now (port 0 picks a free one): a busy port or a bad host is one H2OStreamError,
+    which a command can meet before it loads its model."""
     import socket
-
-    import uvicorn
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -210,14 +208,25 @@ def make_server(service: Service, host: str, port: int, *, log_level: str = "inf
     except OSError as error:
         sock.close()
         raise H2OStreamError(f"cannot listen on {host}:{port}: {error.strerror or error}") from None
+    return sock
+
+
+def make_server(service: Service, host: str, port: int, *, log_level: str = "info", sock=None):
+    """A uvicorn server for `service` and the socket it will serve on (`sock`, bound by `listen`; by default bound
+    now), and the base URL clients use. `server.run(sockets=[sock])` serves until SIGINT or SIGTERM (or
+    `server.should_exit`)."""
+    import uvicorn
+
+    sock = listen(host, port) if sock is None else sock
     shown = f"[{host}]" if ":" in host else host
     config = uvicorn.Config(create_app(service), log_level=log_level, timeout_graceful_shutdown=5)
     return uvicorn.Server(config), sock, f"http://{shown}:{sock.getsockname()[1]}/v1"
 
 
-def run(service: Service, host: str, port: int, *, log_level: str = "info", on_ready=None) -> None:
-    """Serve `service` on host:port until SIGINT or SIGTERM; `on_ready(url)` is called once the socket is bound."""
-    server, sock, url = make_server(service, host, port, log_level=log_level)
+def run(service: Service, host: str, port: int, *, log_level: str = "info", on_ready=None, sock=None) -> None:
+    """Serve `service` on host:port (on `sock` when `listen` bound it already) until SIGINT or SIGTERM; `on_ready(url)`
+    is called once the socket is bound."""
+    server, sock, url = make_server(service, host, port, log_level=log_level, sock=sock)
     if on_ready is not None:
         on_ready(url)
     server.run(sockets=[sock])

@@ -84,17 +84,19 @@ class Setting:
         if self.required and self.example is None:
             raise H2OStreamError(f"the required setting {self.name!r} needs an example value")
 
-    def check(self, value):
-        """`value` as the policy keeps it (a float for a number), or a clear H2OStreamError."""
+    def check(self, value, label: str = ""):
+        """`value` as the policy keeps it (a float for a number), or a clear H2OStreamError naming the setting as
+        `label` (default: its name; a command line names its option)."""
+        label = label or self.name
         if self.required and value == self.default:
-            raise H2OStreamError(f"{self.name} must be given: {self.called or self.help}")
+            raise H2OStreamError(f"{label} must be given: {self.called or self.help}")
         if isinstance(self.default, str):
             if not isinstance(value, str):
-                raise H2OStreamError(f"{self.name} must be text, got {value!r}")
+                raise H2OStreamError(f"{label} must be text, got {value!r}")
             return value
         if isinstance(self.default, bool):
             if not isinstance(value, bool):
-                raise H2OStreamError(f"{self.name} must be true or false, got {value!r}")
+                raise H2OStreamError(f"{label} must be true or false, got {value!r}")
             return value
         low, high = self.within if self.within is not None else (-math.inf, math.inf)
         whole = isinstance(self.default, int)
@@ -106,7 +108,7 @@ class Setting:
             or not low < value <= high
             or (self.odd and value % 2 == 0)
         ):
-            what = f"{self.name} ({self.called})" if self.called else self.name
+            what = f"{label} ({self.called})" if self.called else label
             where = f" in ({_bound(low)}, {_bound(high)}]" if self.within is not None else ""
             raise H2OStreamError(f"{what} must be {kind}{where}, got {value!r}")
         return value if whole else float(value)
