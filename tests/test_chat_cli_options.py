@@ -367,9 +367,13 @@ def test_options_given_on_the_command_line_also_win_at_a_load_in_the_chat(model_
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--temperature", "nan"], "Error: --temperature must be a number >= 0, got nan"),
+        (["--temperature", "nan"], "Error: --temperature must be a number >= 0 and finite, got nan"),
+        (["--temperature", "inf"], "Error: --temperature must be a number >= 0 and finite, got inf"),
         (["--top-p", "nan"], "Error: --top-p must be a number in (0, 1], got nan"),
-        (["--repetition-penalty", "nan"], "Error: --repetition-penalty must be a number >= 1 (1 = off), got nan"),
+        (
+            ["--repetition-penalty", "nan"],
+            "Error: --repetition-penalty must be a number >= 1 (1 = off) and finite, got nan",
+        ),
     ],
 )
 def test_the_command_names_its_options_not_the_sessions_settings(args, message, monkeypatch, capsys):

@@ -32,6 +32,8 @@ def sample_token(logits, sampling, generator):
     "kwargs, message",
     [
         (dict(temperature=-1), "temperature"),
+        (dict(temperature=float("inf")), "temperature"),
+        (dict(repetition_penalty=float("inf")), "repetition_penalty"),
         (dict(top_p=0), "top_p"),
         (dict(top_p=1.5), "top_p"),
         (dict(max_new_tokens=0), "max_new_tokens"),

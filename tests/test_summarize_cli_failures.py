@@ -166,6 +166,10 @@ def test_stdin_that_is_not_utf8_text_is_one_error_line(data, message):
             "Error: --section-max-new-tokens must be at least 1, got 0",
         ),
         (["--instruction", " "], "Error: --instruction is empty"),
+        (["--temperature", "nan"], "Error: --temperature must be a number"),
+        (["--temperature", "inf"], "Error: --temperature must be a number"),
+        (["--top-p", "nan"], "Error: --top-p must be a number"),
+        (["--repetition-penalty", "nan"], "Error: --repetition-penalty must be a number"),
     ],
 )
 def test_the_command_names_its_options_not_the_functions_arguments(tmp_path, args, message, monkeypatch, capsys):

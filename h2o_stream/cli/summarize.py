@@ -133,7 +133,17 @@ def summarize(
     '-' for stdin. The summary streams to stdout; progress and statistics go to stderr."""
     from h2o_stream.apps.progress import Bars
     from h2o_stream.apps.summarize import summarize as summarize_document
+    from h2o_stream.generation.sampling import check_sampling
 
+    # click's ranges let NaN through; the library would name the fields (top_p) rather than the options
+    check_sampling(
+        options=True,
+        temperature=temperature,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        seed=seed,
+    )
     check_settings(
         strategy=strategy,
         instruction=instruction,

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import math
 import secrets
 from dataclasses import dataclass
 from typing import cast
@@ -77,10 +78,11 @@ class Sampling:
 
 
 #: the checks of Sampling's fields: a number with its test, or an integer with its bounds
+# finite: an infinite temperature or penalty turns every logit into 0 or NaN, which samples nothing meaningful
 _NUMBERS = {
-    "temperature": (lambda x: x >= 0, ">= 0"),
+    "temperature": (lambda x: 0 <= x < math.inf, ">= 0 and finite"),
     "top_p": (lambda x: 0 < x <= 1, "in (0, 1]"),
-    "repetition_penalty": (lambda x: x >= 1, ">= 1 (1 = off)"),
+    "repetition_penalty": (lambda x: 1 <= x < math.inf, ">= 1 (1 = off) and finite"),
 }
 _INTEGERS = {"max_new_tokens": (1, None), "top_k": (0, None), "no_repeat_ngram_size": (0, None), "seed": (0, MAX_SEED)}
 
