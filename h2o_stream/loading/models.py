@@ -15,9 +15,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from h2o_stream.errors import H2OStreamError
+from h2o_stream.loading.catalogue import DEFAULT_MODEL, NAMED_MODELS
 from h2o_stream.loading.default_model import (
-    DEFAULT_MODEL,
-    NAMED_MODELS,
     cache_dir,
     default_gguf_path,
     load_default,
