@@ -38,7 +38,7 @@ GROUPS = ("sinks", "recent", "older")
 @click.option(
     "--model",
     "models",
-    default="default,gemma3-270m",
+    default="default,gemma3-270m,qwen2.5-coder-1.5b",
     show_default=True,
     help="Models, comma-separated ('default': SmolLM2-135M-Instruct).",
 )
