@@ -143,30 +143,34 @@ def plot_profile(report: dict, path: Path) -> None:
     )
 
 
-#: the committed profiles, and the fair-chunk speed of sink on the second model at 1 and 2 threads (`speed fair`)
+#: the committed profiles, and the fair-chunk speed of sink on the other models at 1 and 2 threads (`speed fair`
+#: --out-dir eval/results/models/fair_MODEL_1thread, ..._2threads)
 PROFILES = ("speed/profile_fair.json", "speed/profile_fair_gemma3.json")
-#: what sink's fair chunks aim at on the second model: a band policy's chunks equal exact mode, no cut inside them
+#: what sink's fair chunks aim at on the other models: a band policy's chunks equal exact mode, no cut inside them
 SINK_TARGET = 0.95
-GEMMA_FAIR = (
-    "models/fair_gemma3_1thread/fair_chunks_chunked.json",
-    "models/fair_gemma3_2threads/fair_chunks_chunked.json",
-)
+MODEL_FAIR = "models/fair_*/fair_chunks_chunked.json"
 
 
 def profile_section(res, page) -> list[str]:
     """docs/results.md's section on where fair chunks spend their time (called by eval.results_page): sink's fair
-    chunks on Gemma 3 270M against their raw twin at 1 and 2 threads, then each committed profile."""
+    chunks on each other model (Gemma 3 270M, ...) against their raw twin at 1 and 2 threads, then each committed
+    profile."""
 
     lines = []
-    speeds = [(name, res.get(name)) for name in GEMMA_FAIR if res.get(name)]
-    if speeds:
+    by_model: dict[str, list[tuple[str, dict]]] = {}
+    for name in res.names(MODEL_FAIR):
+        report = res.get(name)
+        by_model.setdefault(report["model"], []).append((name, report))
+    for model, speeds in by_model.items():
+        speeds.sort(key=lambda item: item[1]["environment"]["threads"])
         target = speeds[0][1]["targets"]["ratio_vs_raw_forward"]
         targets = f"Targets: {SINK_TARGET:g}x for sink, {target:g}x for the other policies."
         lines += [
-            f"## Fair chunks on {speeds[0][1]['model']} against their raw twin",
+            f"## Fair chunks on {model} against their raw twin",
             "",
-            "The same measurement as `speed fair` (forward by forward, alternating rounds), on the second model; "
-            "its sliding-window layers keep their window, the policy runs on the global layers.",
+            "The same measurement as `speed fair` (forward by forward, alternating rounds), on another model than "
+            "the default; sliding-window layers, where a model has them, keep their window and the policy runs on "
+            "the global layers.",
             "",
         ]
         rows = [
