@@ -25,6 +25,7 @@ import io
 import json
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -201,6 +202,17 @@ def _header(line: bytes) -> dict:
 
 
 _PARTIAL = re.compile(r"(?P<target>.+)\.(?P<pid>\d+)\.tmp(?P<suffix>\.[^.]*)?")
+
+
+def probe_writable(folder: str | os.PathLike) -> None:
+    """Create a file in `folder` and remove it again: an OSError if `folder` takes no new file (read-only, full,
+    /proc), found before any work rather than at the end of it."""
+    fd, probe = tempfile.mkstemp(dir=folder, prefix=".h2o-stream-write-probe-")
+    try:
+        os.write(fd, b"probe")
+    finally:
+        os.close(fd)
+        os.unlink(probe)
 
 
 def is_partial(path: str | os.PathLike) -> bool:

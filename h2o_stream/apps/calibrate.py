@@ -14,7 +14,6 @@ signature, so that `head_hybrid` refuses it on another model.
 from __future__ import annotations
 
 import os
-import tempfile
 from collections.abc import Callable, Iterable
 
 import torch
@@ -23,7 +22,7 @@ from h2o_stream.engine.checks import model_signature
 from h2o_stream.engine.layer_types import SLIDING_MODES, layer_windows
 from h2o_stream.engine.policies.head_hybrid import CLASSIFICATION_KIND, NO_RETRIEVAL, canonical_pairs
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.files import write_json
+from h2o_stream.files import probe_writable, write_json
 from h2o_stream.loading.corpus import book_token_ids, corpus_digest, describe_source, iter_books
 from h2o_stream.version import __version__
 
@@ -167,9 +166,7 @@ def check_writable(path: str | os.PathLike) -> None:
     if not os.path.isdir(folder):
         raise H2OStreamError(f"cannot write --out {os.fspath(path)}: the folder {folder} does not exist")
     try:
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".h2o-stream-write-probe-")
-        os.close(fd)
-        os.unlink(probe)
+        probe_writable(folder)
     except OSError as error:
         raise H2OStreamError(
             f"cannot write --out {os.fspath(path)}: no file can be created in {folder} ({error.strerror or error})"

@@ -12,12 +12,11 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError
-from h2o_stream.files import remove_partials
+from h2o_stream.files import probe_writable, remove_partials
 
 LOCK_NAME = ".h2o-stream-ppl.lock"
 
@@ -71,12 +70,7 @@ def make_writable_dir(out: Path) -> None:
             break
     try:
         out.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=out, prefix=".h2o-stream-write-probe-")
-        try:
-            os.write(fd, b"probe")
-        finally:
-            os.close(fd)
-            os.unlink(probe)
+        probe_writable(out)
     except OSError as error:
         raise H2OStreamError(
             f"cannot write into --out {out} ({error.strerror or error}); choose a writable directory"
