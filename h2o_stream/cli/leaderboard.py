@@ -12,7 +12,6 @@ from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
 
 from .options import (
-    at_least,
     books_options,
     cache_options,
     checkpoint_option,
@@ -24,6 +23,7 @@ from .options import (
     ray_option,
     rows_option,
     sliding_option,
+    stream_tokens_at_least,
     workers_option,
 )
 from .ppl import run_sweep
@@ -41,7 +41,7 @@ BOUNDED = ",".join(name for name, cls in POLICIES.items() if cls.parts and not c
     type=int,
     default=250_000,
     show_default=True,
-    callback=at_least(2, " (the stream's first token is not predicted)"),
+    callback=stream_tokens_at_least,
     help="Stream tokens per run.",
 )
 @data_option

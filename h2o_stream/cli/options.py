@@ -61,6 +61,9 @@ def model_options(command):
     return _apply(options, command)
 
 
+#: --tokens' check, for the commands that stream perplexity runs (ppl, leaderboard)
+stream_tokens_at_least = at_least(2, " (the stream's first token is not predicted)")
+
 #: --seed's values: the seeds Sampling takes (h2o_stream.generation.sampling.MAX_SEED: torch's 64-bit seeds), checked
 #: while parsing, before torch loads
 SEEDS = click.IntRange(min=0, max=2**64 - 1)

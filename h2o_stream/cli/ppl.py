@@ -26,6 +26,7 @@ from .options import (
     ray_option,
     rows_option,
     sliding_option,
+    stream_tokens_at_least,
     workers_option,
 )
 
@@ -69,7 +70,7 @@ if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
     type=int,
     default=100_000,
     show_default=True,
-    callback=at_least(2, " (the stream's first token is not predicted)"),
+    callback=stream_tokens_at_least,
     help="Stream tokens to evaluate per run.",
 )
 @data_option
