@@ -1,29 +1,39 @@
 """The refusals of a policy declared wrongly, one clear H2OStreamError each: a policy class whose declaration makes
 no sense is refused when it is defined (`EvictionPolicy.__init_subclass__`, validation.py), one that cannot be named
 or whose names clash when it is registered (registry.py), and a part, setting or scores declaration that makes no
-sense when it is made (declarations.py). Only `register` adds to the registry; the bad classes here are refused
+sense when it is made (declarations.py). A policy's settings are its dataclass fields (`setting`), its `options`
+made from them. Only `register` adds to the registry; the bad classes here are refused
 before it would, and no test leaves anything in it (tests/policy_matrix.py iterates over every registered policy)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from h2o_stream import H2OStreamError, make_policy, register
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import HEAVY, RECENT, SINKS, Scores, Setting, shrink_parts
+from h2o_stream.engine.policies.base import HEAVY, RECENT, SINKS, Scores, Setting, setting, shrink_parts
 from h2o_stream.engine.policies.h2o import H2OPolicy
 
-#: the settings a policy that merges declares (validation.MERGE_SETTINGS)
-MERGE = (Setting("merge_span", "entries a merge spreads over", 4), Setting("merge_seed", "the coin's seed", 0))
+#: the settings a policy that merges declares (validation.MERGE_SETTINGS): name -> (default, help)
+MERGE = {"merge_span": (4, "entries a merge spreads over"), "merge_seed": (0, "the coin's seed")}
 #: the settings a policy with Gumbel-regularised scores declares (validation.GUMBEL_SETTINGS)
-GUMBEL = (
-    Setting("tau_init", "first temperature", 1.0),
-    Setting("tau_end", "last temperature", 2.0),
-    Setting("tau_steps", "queries the temperature rises over", 10),
-    Setting("gumbel_seed", "the draws' seed", 0),
-)
+GUMBEL = {
+    "tau_init": (1.0, "first temperature"),
+    "tau_end": (2.0, "last temperature"),
+    "tau_steps": (10, "queries the temperature rises over"),
+    "gumbel_seed": (0, "the draws' seed"),
+}
+
+
+def declaring(settings: dict, **attributes) -> dict:
+    """A policy class body (for `type`) with `attributes` and each of `settings` (name -> (default, help)) declared
+    as its field, as `alpha: float = setting(0.5, "...")` in a class statement declares it."""
+    fields = {name: setting(default, help) for name, (default, help) in settings.items()}
+    annotations = {name: type(default).__name__ for name, (default, _) in settings.items()}
+    return {"__annotations__": annotations, **fields, **attributes}
 
 
 @pytest.fixture(autouse=True)
@@ -38,17 +48,96 @@ def _registry_unchanged():
 
 
 @pytest.mark.parametrize(
-    "bad_options",
-    [[Setting("alpha", "a", 0.5)], ("alpha",), (Setting("alpha", "a", 0.5), 0.5)],
-    ids=["a-list", "a-name", "a-number"],
+    "hand_written",
+    [(Setting("alpha", "a", 0.5),), (Setting("beta", "b", 20),), [Setting("alpha", "a", 0.5)], ("alpha",), ()],
+    ids=["the-fields-again", "beside-the-fields", "a-list", "a-name", "none"],
 )
-def test_options_that_are_not_a_tuple_of_settings_are_refused(bad_options):
-    with pytest.raises(H2OStreamError, match=r"\bBadOptions\.options must be a tuple of Setting declarations$"):
+def test_options_written_by_hand_are_refused(hand_written):
+    """A policy's `options` are made from its fields: one written beside them would be a second declaration of each
+    setting (or of a setting no field holds), so any is refused, even one that says what the fields say."""
+    message = "HandWritten.options are made from its fields: declare each setting as one, with setting(...)"
+    with pytest.raises(H2OStreamError, match=rf"\b{re.escape(message)}$"):
 
-        class BadOptions(EvictionPolicy):
-            name = "bad-options"
+        class HandWritten(EvictionPolicy):
+            name = "hand-written"
             parts = (RECENT,)
-            options = bad_options
+            alpha: float = setting(0.5, "a")
+            options = hand_written
+
+
+def test_options_are_made_from_the_fields_declared_with_setting():
+    """Each field made by `setting` is one Setting, its name and default the field's; a plain field is none."""
+
+    @dataclasses.dataclass
+    class Declared(EvictionPolicy):
+        recent: int
+        alpha: float = setting(0.5, "forgetting factor", within=(0, 1), called="the factor")
+        note: str = ""  # a field that is no setting (as head_hybrid's calibrated_for)
+        flag: bool = setting(False, "a flag", example=True)
+        name = "declared"
+        parts = (RECENT,)
+
+    assert Declared.options == (
+        Setting("alpha", "forgetting factor", 0.5, within=(0, 1), called="the factor"),
+        Setting("flag", "a flag", False, example=True),
+    )
+    assert Declared(recent=4).alpha == 0.5 and Declared(recent=4, alpha=1).alpha == 1.0  # checked: a float
+    with pytest.raises(H2OStreamError, match=r"^alpha \(the factor\) must be a number in \(0, 1\], got 2$"):
+        Declared(recent=4, alpha=2)
+
+
+@pytest.mark.parametrize("help", ["", "  ", None], ids=["empty", "blank", "none"])
+def test_a_setting_without_its_help_is_refused_when_its_class_is_defined(help):
+    message = "the policy setting 'alpha' needs a help text, its command-line option's"
+    with pytest.raises(H2OStreamError, match=f"^{message}$"):
+
+        class Unhelpful(EvictionPolicy):
+            name = "unhelpful"
+            parts = (RECENT,)
+            alpha: float = setting(0.5, help)
+
+    with pytest.raises(TypeError, match="help"):
+        setting(0.5)  # type: ignore[call-arg]
+
+
+def test_a_subclass_adds_settings_after_its_bases_and_redeclares_one_in_its_place():
+    """The options follow the dataclass fields' order: a base's first, a redeclared one where the base had it."""
+
+    @dataclasses.dataclass
+    class Base(EvictionPolicy):
+        recent: int
+        alpha: float = setting(0.5, "a")
+        kernel: int = setting(5, "k", odd=True)
+        name = "base"
+        parts = (RECENT,)
+
+    @dataclasses.dataclass
+    class Derived(Base):
+        beta: int = setting(20, "b")
+        alpha: float = setting(0.25, "a, smaller")
+        name = "derived"
+
+    fields = [field.name for field in dataclasses.fields(Derived) if field.name != "recent"]
+    assert [option.name for option in Derived.options] == fields == ["alpha", "kernel", "beta"]
+    assert [option.default for option in Derived.options] == [0.25, 5, 20] and Base.options[0].default == 0.5
+    assert vars(Derived(recent=4)) == {"recent": 4, "alpha": 0.25, "kernel": 5, "beta": 20}
+
+
+def test_a_bases_setting_redeclared_as_a_plain_field_is_refused():
+    """A plain default would leave the base's Setting (its default, its bounds) beside the new field."""
+
+    @dataclasses.dataclass
+    class Base(EvictionPolicy):
+        recent: int
+        alpha: float = setting(0.5, "a")
+        name = "base"
+        parts = (RECENT,)
+
+    message = "Plain.alpha redeclares a setting: declare it with setting(...)"
+    with pytest.raises(H2OStreamError, match=rf"\b{re.escape(message)}$"):
+
+        class Plain(Base):
+            alpha: float = 0.25
 
 
 @pytest.mark.parametrize(
@@ -73,9 +162,7 @@ def test_options_that_are_not_a_tuple_of_settings_are_refused(bad_options):
 def test_a_layer_schedule_without_one_ranked_part_to_spread_is_refused(declaration):
     message = "Scheduled.layer_schedule must be one of pyramid, for a policy with a ranking and one ranked part"
     with pytest.raises(H2OStreamError, match=f"^{re.escape(message)}$"):
-        type(
-            "Scheduled", (EvictionPolicy,), {"name": "scheduled", "options": (Setting("beta", "b", 20),), **declaration}
-        )
+        type("Scheduled", (EvictionPolicy,), declaring({"beta": (20, "b")}, name="scheduled", **declaration))
 
 
 def test_a_ranking_of_its_own_takes_no_layer_schedule():
@@ -85,28 +172,27 @@ def test_a_ranking_of_its_own_takes_no_layer_schedule():
         class OwnCut(EvictionPolicy):
             name = "own-cut"
             parts = (HEAVY, RECENT)
-            options = (Setting("beta", "b", 20),)
+            beta: int = setting(20, "b")
             layer_schedule = "pyramid"
 
             def keep(self, positions, scores):
                 return positions
 
 
-@pytest.mark.parametrize("missing", [setting.name for setting in GUMBEL])
+@pytest.mark.parametrize("missing", list(GUMBEL))
 def test_gumbel_scores_without_every_temperature_setting_are_refused(missing):
+    settings = {name: declared for name, declared in GUMBEL.items() if name != missing}
     with pytest.raises(
         H2OStreamError,
         match=re.escape(
             "Noisy has Gumbel-regularised scores and needs the settings tau_init, tau_end, tau_steps, gumbel_seed"
         ),
     ):
-
-        class Noisy(EvictionPolicy):
-            name = "noisy"
-            parts = (HEAVY, RECENT)
-            options = tuple(setting for setting in GUMBEL if setting.name != missing)
-            scoring = Scores(gumbel=True)
-            ranking = "score"
+        type(
+            "Noisy",
+            (EvictionPolicy,),
+            declaring(settings, name="noisy", parts=(HEAVY, RECENT), scoring=Scores(gumbel=True), ranking="score"),
+        )
 
 
 @pytest.mark.parametrize("bad_eviction", ["evict", "Drop", None])
@@ -120,31 +206,25 @@ def test_an_eviction_other_than_drop_or_merge_is_refused(bad_eviction):
 
 
 @pytest.mark.parametrize(
-    "its_scoring, its_ranking, its_options",
+    "its_scoring, its_ranking, its_settings",
     [
         (None, "age", MERGE),  # nothing to merge by
         (Scores(), "score", MERGE),  # summed, not the latest attention
         (Scores("latest", heads="layer"), "score", MERGE),  # one decision per layer, not per KV head
-        (Scores("latest"), "score", MERGE[:1]),  # no merge_seed
-        (Scores("latest"), "score", MERGE[1:]),  # no merge_span
+        (Scores("latest"), "score", {"merge_span": MERGE["merge_span"]}),  # no merge_seed
+        (Scores("latest"), "score", {"merge_seed": MERGE["merge_seed"]}),  # no merge_span
     ],
     ids=["no-scores", "summed", "per-layer", "no-seed", "no-span"],
 )
 def test_merging_without_the_latest_per_kv_head_scores_and_its_settings_is_refused(
-    its_scoring, its_ranking, its_options
+    its_scoring, its_ranking, its_settings
 ):
     message = (
         "Merging merges what it evicts and needs Scores('latest') per KV head and the settings merge_span, merge_seed"
     )
+    declaration = dict(name="merging", parts=(HEAVY, RECENT), eviction="merge", scoring=its_scoring)
     with pytest.raises(H2OStreamError, match=rf"\b{re.escape(message)}$"):
-
-        class Merging(EvictionPolicy):
-            name = "merging"
-            parts = (HEAVY, RECENT)
-            eviction = "merge"
-            scoring = its_scoring
-            ranking = its_ranking
-            options = its_options
+        type("Merging", (EvictionPolicy,), declaring(its_settings, ranking=its_ranking, **declaration))
 
 
 def test_a_merging_declaration_with_all_it_needs_is_taken():
@@ -156,7 +236,8 @@ def test_a_merging_declaration_with_all_it_needs_is_taken():
         eviction = "merge"
         scoring = Scores("latest")
         ranking = "score"
-        options = MERGE
+        merge_span: int = setting(4, "entries a merge spreads over")
+        merge_seed: int = setting(0, "the coin's seed")
 
     assert Merging.needs_scores and Merging.score_queries == "last" and "merging" not in POLICIES
 
@@ -173,19 +254,38 @@ def test_a_policy_without_a_name_is_not_registered(name):
     assert nameless not in POLICIES.values()
 
 
-@pytest.mark.parametrize(
-    "options",
-    [
-        (Setting("recent", "a setting called as a part", 1.0),),
-        (Setting("alpha", "a", 0.5), Setting("alpha", "the same again", 0.9)),
-    ],
-    ids=["a-parts-name", "twice"],
-)
-def test_a_policy_whose_settings_clash_is_not_registered(options):
-    clashing = type("Clashing", (EvictionPolicy,), {"name": "clashing", "parts": (HEAVY, RECENT), "options": options})
-    with pytest.raises(H2OStreamError, match=r"^Clashing\.options need distinct names, none of them a part's$"):
-        register(clashing)
+def test_a_policy_with_a_setting_named_as_a_part_is_not_registered():
+    """(Two settings of one name cannot be declared: a class has one field of a name, and a subclass redeclaring a
+    base's setting replaces it, test_a_subclass_adds_settings_after_its_bases_and_redeclares_one_in_its_place.)"""
+    declared = declaring({"recent": (1.0, "a setting called as a part")}, name="clashing", parts=(HEAVY, RECENT))
+    clashing = type("Clashing", (EvictionPolicy,), declared)
+    with pytest.raises(H2OStreamError, match=r"^Clashing's settings need names none of its parts has$"):
+        register(dataclasses.dataclass(clashing))
     assert "clashing" not in POLICIES
+
+
+def test_a_policy_whose_settings_are_no_constructor_arguments_is_not_registered():
+    """Without @dataclass (below @register) the fields declared with `setting` are no constructor arguments, and the
+    options' defaults would reach no policy."""
+
+    class Undated(EvictionPolicy):
+        name = "undated"
+        parts = (RECENT,)
+        alpha: float = setting(0.5, "a")
+
+    @dataclasses.dataclass
+    class Dated(EvictionPolicy):
+        recent: int
+        name = "dated"
+        parts = (RECENT,)
+
+    class DatedBelow(Dated):  # its base is a dataclass, its own setting is no field of it
+        alpha: float = setting(0.5, "a")
+
+    for undated in (Undated, DatedBelow):
+        with pytest.raises(H2OStreamError, match=rf"^{undated.__qualname__} needs @dataclass below @register: its"):
+            register(undated)
+    assert "undated" not in POLICIES and "dated" not in POLICIES
 
 
 # -- refused when the declaration is made (declarations.py) ---------------------------------------------------------

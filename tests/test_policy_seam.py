@@ -5,6 +5,7 @@ test_cuts.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import json
 import math
@@ -20,7 +21,8 @@ from click.testing import CliRunner
 import h2o_stream.engine.policies as policies_package
 from h2o_stream import H2OStreamError, StreamingCache, make_policy, register, stream_perplexity
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
-from h2o_stream.engine.policies.base import HEAVY, RECENT, Scores, split_budget
+from h2o_stream.engine.policies.base import HEAVY, RECENT, Scores, Setting, split_budget
+from h2o_stream.engine.policies.declarations import SETTING_METADATA
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.engine.policies.slots import last_slots
 from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
@@ -47,6 +49,21 @@ def test_every_policy_class_of_the_policies_folder_is_made_by_its_name():
     for cls in defined:
         cache_size = 16 if cls.parts else None
         assert type(build(cls.name, cache_size)) is cls and POLICIES[cls.name] is cls
+
+
+def test_every_policys_settings_are_its_fields_declared_with_setting():
+    """A setting has one declaration, its dataclass field: the options' names, order and defaults are the fields'
+    (settings() and describe() list the fields in order, and checkpoints and result files compare them), and each
+    option is what its field's `setting(...)` says."""
+    assert any(cls.options for cls in POLICIES.values())
+    for cls in POLICIES.values():
+        fields = {field.name: field for field in dataclasses.fields(cls)}
+        names = [name for name in fields if name in cls.option_names()]
+        assert names == list(cls.option_names()), cls.name
+        for option in cls.options:
+            declared = fields[option.name]
+            assert declared.default == option.default and type(declared.default) is type(option.default), option
+            assert Setting(option.name, default=declared.default, **declared.metadata[SETTING_METADATA]) == option
 
 
 def test_every_kind_of_policy_the_other_tests_draw_from_has_one():

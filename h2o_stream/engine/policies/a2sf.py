@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import HEAVY, RECENT, EvictionPolicy, Scores, Setting
+from .base import HEAVY, RECENT, EvictionPolicy, Scores, setting
 from .registry import register
 
 
@@ -22,17 +22,13 @@ from .registry import register
 class A2SFPolicy(EvictionPolicy):
     heavy: int
     recent: int
-    alpha: float = 0.95
+    alpha: float = setting(
+        0.95,
+        "forgetting factor in (0, 1]: scores are multiplied by it at every step",
+        within=(0, 1),
+        called="the a2sf forgetting factor",
+    )
     name = "a2sf"
     parts = (HEAVY, RECENT)
-    options = (
-        Setting(
-            "alpha",
-            "forgetting factor in (0, 1]: scores are multiplied by it at every step",
-            0.95,
-            within=(0, 1),
-            called="the a2sf forgetting factor",
-        ),
-    )
     scoring = Scores("decay", decay="alpha")
     ranking = "score"

@@ -3,7 +3,8 @@
 A policy declares (docs/design.md, "Writing a policy"):
 - `parts`: its budget, in cache slots (`Part`); a part named `sinks` protects the stream's first tokens, one named
   `recent` the newest entries; every other part is filled by rank;
-- `options`: settings that are not slot counts (`Setting`), checked when the policy is made;
+- its settings that are not slot counts: dataclass fields declared with `setting` (its `options` are made from them,
+  `Setting`), checked when the policy is made;
 - `scoring`: how the attention an entry receives becomes its score (`Scores`), or None: no scores (the fused
   attention path stays);
 - `ranking`: how the entries between the sinks and the recent window are ranked for the ranked parts (ranking.py):
@@ -39,7 +40,9 @@ from .declarations import (
     Scores,
     Setting,
     check_count,
+    field_settings,
     pyramid_budgets,
+    setting,
     shrink_parts,
     split_budget,
 )
@@ -56,6 +59,7 @@ __all__ = [
     "Scores",
     "Setting",
     "check_count",
+    "setting",
     "shrink_parts",
     "split_budget",
 ]
@@ -71,7 +75,8 @@ class EvictionPolicy:
     name: ClassVar[str]
     #: the budget parts this policy takes, in the order they are printed; they add up to the budget
     parts: ClassVar[tuple[Part, ...]] = ()
-    #: settings that are not slot counts, with their defaults (fields of the dataclass too)
+    #: settings that are not slot counts: made from the fields declared with `setting` when the class is defined
+    #: (`field_settings`), never written by hand
     options: ClassVar[tuple[Setting, ...]] = ()
     #: how attention becomes an entry's score; None: no scores
     scoring: ClassVar[Scores | None] = None
@@ -113,6 +118,7 @@ class EvictionPolicy:
         super().__init_subclass__(**kwargs)
         if not isinstance(cls.parts, tuple) or not all(isinstance(part, Part) for part in cls.parts):
             raise H2OStreamError(f"{cls.__qualname__}.parts must be a tuple of Part declarations")
+        cls.options = field_settings(cls)  # before check_declaration, which reads them
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
         if "keep" in cls.__dict__ and "ranking" not in cls.__dict__:
             cls.ranking = None  # a cut of its own

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import RECENT, SINKS, EvictionPolicy, Scores, Setting
+from .base import RECENT, SINKS, EvictionPolicy, Scores, setting
 from .registry import register
 
 
@@ -30,22 +30,17 @@ from .registry import register
 class CaMPolicy(EvictionPolicy):
     sinks: int
     recent: int
-    merge_span: int = 32
-    merge_seed: int = 0
+    merge_span: int = setting(
+        32,
+        "entries after an evicted one that its value is spread over (CaM's 32)",
+        within=(0, 1 << 20),
+        called="cam's merge span",
+    )
+    merge_seed: int = setting(
+        0, "seed of the merge coins (a run repeats with the same seed)", within=(-1, (1 << 32) - 1)
+    )
     name = "cam"
     parts = (SINKS, RECENT)
-    options = (
-        Setting(
-            "merge_span",
-            "entries after an evicted one that its value is spread over (CaM's 32)",
-            32,
-            within=(0, 1 << 20),
-            called="cam's merge span",
-        ),
-        Setting(
-            "merge_seed", "seed of the merge coins (a run repeats with the same seed)", 0, within=(-1, (1 << 32) - 1)
-        ),
-    )
     scoring = Scores("latest")
     ranking = "age"
     eviction = "merge"

@@ -1,11 +1,14 @@
-"""The declarations a policy is made of: its budget parts (`Part`), its other settings (`Setting`), how attention
-becomes a score (`Scores`), and the arithmetic of budgets (splitting a cache size, shrinking for a fair chunk).
-`DropOne` is what the compiled loop reads, derived from them. No torch here: the registry loads without it."""
+"""The declarations a policy is made of: its budget parts (`Part`), its other settings (`Setting`, each declared as
+its dataclass field with `setting`), how attention becomes a score (`Scores`), and the arithmetic of budgets
+(splitting a cache size, shrinking for a fair chunk). `DropOne` is what the compiled loop reads, derived from them.
+No torch here: the registry loads without it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from h2o_stream.errors import H2OStreamError
 
@@ -61,8 +64,9 @@ SINKS = Part("sinks", "attention-sink slots, the stream's first tokens", fixed=4
 
 @dataclass(frozen=True)
 class Setting:
-    """A policy setting that is not a number of slots (e.g. a2sf's forgetting factor): `name` is the constructor
-    argument, `default` its value when not given. A bool default makes it a flag; a number's value must lie in
+    """A policy setting that is not a number of slots (e.g. a2sf's forgetting factor), as the policy's `options` hold
+    it, made from its dataclass field (`setting`): `name` is the constructor argument, `default` its value when not
+    given, `help` what its command-line option says. A bool default makes it a flag; a number's value must lie in
     `within` (low, high], checked when the policy is made (`called` names it in the error); a str default makes it
     text, which the policy reads itself. A `required` setting has no default a policy can run with (head_hybrid's
     head classification): making the policy without it is refused (`h2o-stream leaderboard` leaves such a policy
@@ -81,6 +85,8 @@ class Setting:
     def __post_init__(self):
         if not self.name.isidentifier():
             raise H2OStreamError(f"a policy setting needs a name usable as an argument, got {self.name!r}")
+        if not isinstance(self.help, str) or not self.help.strip():
+            raise H2OStreamError(f"the policy setting {self.name!r} needs a help text, its command-line option's")
         if self.required and self.example is None:
             raise H2OStreamError(f"the required setting {self.name!r} needs an example value")
 
@@ -112,6 +118,50 @@ class Setting:
             where = f" in ({_bound(low)}, {_bound(high)}]" if self.within is not None else ""
             raise H2OStreamError(f"{what} must be {kind}{where}, got {value!r}")
         return value if whole else float(value)
+
+
+_Default = TypeVar("_Default", bound="float | str")  # a bool is an int, which is a float to a type checker
+
+#: where a field made by `setting` keeps what it declares besides its default (its field's metadata)
+SETTING_METADATA = "h2o_stream.setting"
+
+
+def setting(
+    default: _Default,
+    help: str,
+    *,
+    within: tuple[float, float] | None = None,
+    called: str = "",
+    odd: bool = False,
+    required: bool = False,
+    example: float | bool | str | None = None,
+) -> _Default:
+    """A policy's setting, declared once as its dataclass field: `alpha: float = setting(0.95, "forgetting factor",
+    within=(0, 1))`. The field's name and default are the setting's; the rest is `Setting`'s. The policy's `options`
+    are made from these fields when its class is defined (`field_settings`)."""
+    declared = {"help": help, "within": within, "called": called, "odd": odd, "required": required, "example": example}
+    return dataclasses.field(default=default, metadata={SETTING_METADATA: declared})
+
+
+def field_settings(cls: type) -> tuple[Setting, ...]:
+    """The settings of policy class `cls`, when it is defined (before @dataclass makes its fields): its bases' (their
+    `options`), then its own fields declared with `setting`, in the order @dataclass gives the fields (one that
+    redeclares a base's keeps its place). An `options` written by hand, or a base's setting redeclared as a plain
+    field, is refused: each setting has one declaration, its field."""
+    if "options" in vars(cls):
+        raise H2OStreamError(
+            f"{cls.__qualname__}.options are made from its fields: declare each setting as one, with setting(...)"
+        )
+    settings = {option.name: option for option in getattr(cls, "options", ())}
+    for name in vars(cls).get("__annotations__", {}):
+        declared: Any = vars(cls).get(name)
+        if isinstance(declared, dataclasses.Field) and SETTING_METADATA in declared.metadata:
+            default = declared.default
+            assert default is not dataclasses.MISSING  # `setting` gives every field it makes a default
+            settings[name] = Setting(name, default=default, **declared.metadata[SETTING_METADATA])
+        elif name in settings:
+            raise H2OStreamError(f"{cls.__qualname__}.{name} redeclares a setting: declare it with setting(...)")
+    return tuple(settings.values())
 
 
 def _bound(value: float) -> str:

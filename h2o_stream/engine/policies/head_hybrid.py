@@ -27,7 +27,7 @@ from pathlib import Path
 
 from h2o_stream.errors import H2OStreamError
 
-from .base import HEAVY, RECENT, SINKS, EvictionPolicy, Scores, Setting
+from .base import HEAVY, RECENT, SINKS, EvictionPolicy, Scores, setting
 from .registry import register
 
 #: the `kind` of a head classification file (`h2o-stream calibrate`)
@@ -42,23 +42,19 @@ class HeadHybridPolicy(EvictionPolicy):
     sinks: int
     heavy: int
     recent: int
-    retrieval_heads: str = ""
+    retrieval_heads: str = setting(
+        "",
+        "the retrieval heads: a head classification file from h2o-stream calibrate, or LAYER.HEAD pairs "
+        "(e.g. 3.0,7.1; *.0: head 0 of every layer), or 'none'; every other KV head streams",
+        required=True,
+        example="*.0",
+        called="a classification file (h2o-stream calibrate writes one) or LAYER.HEAD pairs",
+    )
     #: the model a classification file was made on (`engine.checks.model_signature`), "" when given as pairs;
     #: set from the file, never given (make_policy knows no such setting)
     calibrated_for: str = ""
     name = "head_hybrid"
     parts = (SINKS, HEAVY, RECENT)
-    options = (
-        Setting(
-            "retrieval_heads",
-            "the retrieval heads: a head classification file from h2o-stream calibrate, or LAYER.HEAD pairs "
-            "(e.g. 3.0,7.1; *.0: head 0 of every layer), or 'none'; every other KV head streams",
-            "",
-            required=True,
-            example="*.0",
-            called="a classification file (h2o-stream calibrate writes one) or LAYER.HEAD pairs",
-        ),
-    )
     scoring = Scores("sum")
     ranking = "head_class"
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictionPolicy, Part, Scores, Setting
+from .base import EvictionPolicy, Part, Scores, setting
 from .registry import register
 
 
@@ -33,40 +33,31 @@ from .registry import register
 class KeyformerPolicy(EvictionPolicy):
     heavy: int
     recent: int
-    tau_init: float = 1.0
-    tau_end: float = 2.0
-    tau_steps: int = 0
-    gumbel_seed: int = 0
+    tau_init: float = setting(
+        1.0,
+        "the Gumbel softmax's temperature at the stream's start",
+        within=(0, 1e6),
+        called="keyformer's first temperature",
+    )
+    tau_end: float = setting(
+        2.0,
+        "the temperature the rise ends at, then held",
+        within=(0, 1e6),
+        called="keyformer's last temperature",
+    )
+    tau_steps: int = setting(
+        0,
+        "queries over which the temperature rises (0: as many as the cache holds)",
+        within=(-1, 1 << 40),
+        called="0: the cache size",
+    )
+    gumbel_seed: int = setting(
+        0, "seed of the Gumbel draws (a run repeats with the same seed)", within=(-1, (1 << 32) - 1)
+    )
     name = "keyformer"
     parts = (
         Part("heavy", "key-token slots, the highest Gumbel-regularised scores among the older entries"),
         Part("recent", "recent-window slots, the last entries", share=0.3),
-    )
-    options = (
-        Setting(
-            "tau_init",
-            "the Gumbel softmax's temperature at the stream's start",
-            1.0,
-            within=(0, 1e6),
-            called="keyformer's first temperature",
-        ),
-        Setting(
-            "tau_end",
-            "the temperature the rise ends at, then held",
-            2.0,
-            within=(0, 1e6),
-            called="keyformer's last temperature",
-        ),
-        Setting(
-            "tau_steps",
-            "queries over which the temperature rises (0: as many as the cache holds)",
-            0,
-            within=(-1, 1 << 40),
-            called="0: the cache size",
-        ),
-        Setting(
-            "gumbel_seed", "seed of the Gumbel draws (a run repeats with the same seed)", 0, within=(-1, (1 << 32) - 1)
-        ),
     )
     scoring = Scores("sum", gumbel=True)
     ranking = "score"

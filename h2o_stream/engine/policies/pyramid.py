@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import Setting
+from .base import setting
 from .registry import register
 from .snapkv import SnapKVPolicy
 
@@ -23,15 +23,8 @@ from .snapkv import SnapKVPolicy
 @register
 @dataclass
 class PyramidKVPolicy(SnapKVPolicy):
-    beta: int = 20
-    name = "pyramid"
-    options = (
-        *SnapKVPolicy.options,
-        Setting(
-            "beta",
-            "how much the highest layer keeps, as a fraction 1/beta of the mean ranked slots",
-            20,
-            within=(0, 1000),
-        ),
+    beta: int = setting(
+        20, "how much the highest layer keeps, as a fraction 1/beta of the mean ranked slots", within=(0, 1000)
     )
+    name = "pyramid"
     layer_schedule = "pyramid"

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictionPolicy, Part, Scores, Setting
+from .base import EvictionPolicy, Part, Scores, setting
 from .registry import register
 
 
@@ -29,30 +29,24 @@ from .registry import register
 class ScissorhandsPolicy(EvictionPolicy):
     heavy: int
     recent: int
-    history: int = 100
-    quantile: float = 0.9
+    history: int = setting(
+        100,
+        "the latest queries whose importance counts (Scissorhands' history window)",
+        within=(0, 1 << 16),
+        called="scissorhands' history window",
+        example=6,
+    )
+    quantile: float = setting(
+        0.9,
+        "an entry is important to a query head above this quantile of its attention row",
+        within=(0, 1),
+        called="scissorhands' importance quantile",
+        example=0.6,  # in a row of 9 keys (a tiny cache) 0.9 is its largest value: nothing is above it
+    )
     name = "scissorhands"
     parts = (
         Part("heavy", "slots for the entries the latest queries found important most often"),
         Part("recent", "recent-window slots, the last entries", fixed=10),
-    )
-    options = (
-        Setting(
-            "history",
-            "the latest queries whose importance counts (Scissorhands' history window)",
-            100,
-            within=(0, 1 << 16),
-            called="scissorhands' history window",
-            example=6,
-        ),
-        Setting(
-            "quantile",
-            "an entry is important to a query head above this quantile of its attention row",
-            0.9,
-            within=(0, 1),
-            called="scissorhands' importance quantile",
-            example=0.6,  # in a row of 9 keys (a tiny cache) 0.9 is its largest value: nothing is above it
-        ),
     )
     scoring = Scores("window", window="history", quantile="quantile")
     ranking = "score"

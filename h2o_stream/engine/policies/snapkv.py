@@ -18,9 +18,8 @@ rest heavy.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
 
-from .base import EvictionPolicy, Part, Scores, Setting
+from .base import EvictionPolicy, Part, Scores, setting
 from .registry import register
 
 
@@ -29,26 +28,19 @@ from .registry import register
 class SnapKVPolicy(EvictionPolicy):
     heavy: int
     recent: int
-    observation: int = 0
-    kernel: int = 5
-    max_pool: bool = False
+    observation: int = setting(
+        0,
+        "queries in the observation window (the latest ones; 0: as many as the recent "
+        "window keeps, as the official code)",
+        within=(-1, 4096),
+        called="0: the recent window's length",
+    )
+    kernel: int = setting(5, "pooling kernel in slots (odd)", within=(0, 4095), odd=True)
+    max_pool: bool = setting(False, "pool by the maximum instead of the average")
     name = "snapkv"
     parts = (
         Part("heavy", "slots for the highest pooled attention from the observation window"),
         Part("recent", "recent-window slots, the last entries", share=1 / 8),
-    )
-    # the base's type, not this tuple's: pyramid adds a setting
-    options: ClassVar[tuple[Setting, ...]] = (
-        Setting(
-            "observation",
-            "queries in the observation window (the latest ones; 0: as many as the recent "
-            "window keeps, as the official code)",
-            0,
-            within=(-1, 4096),
-            called="0: the recent window's length",
-        ),
-        Setting("kernel", "pooling kernel in slots (odd)", 5, within=(0, 4095), odd=True),
-        Setting("max_pool", "pool by the maximum instead of the average", False),
     )
     scoring = Scores("window", window="observation")
     ranking = "pooled"

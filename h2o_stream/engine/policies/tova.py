@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .base import EvictionPolicy, Part, Scores, Setting
+from .base import EvictionPolicy, Part, Scores, setting
 from .registry import register
 
 
@@ -22,13 +22,10 @@ from .registry import register
 @dataclass
 class TOVAPolicy(EvictionPolicy):
     states: int
-    per_head: bool = False
+    per_head: bool = setting(
+        False, "decide per KV head instead of once per layer (TOVA averages over the layer's heads)"
+    )
     name = "tova"
     parts = (Part("states", "TOVA's states: slots ranked by the current query's attention"),)
-    options = (
-        Setting(
-            "per_head", "decide per KV head instead of once per layer (TOVA averages over the layer's heads)", False
-        ),
-    )
     scoring = Scores("latest", heads="per_head")  # the layer's mean, or per KV head with per_head
     ranking = "score"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from h2o_stream.errors import H2OStreamError
 
-from .declarations import RANKINGS, SCHEDULES, Scores, Setting
+from .declarations import RANKINGS, SCHEDULES, Scores
 
 #: the settings a policy with Gumbel-regularised scores declares (`Scores.gumbel`)
 GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
@@ -24,9 +24,8 @@ SCHEDULE_SETTINGS = {"pyramid": ("beta",)}
 
 def check_declaration(cls) -> None:
     """Refuse (H2OStreamError) the declaration of policy class `cls`, whose parts are checked and named already
-    (`_part_names`) and whose `ranking` is None if it has a `keep` of its own."""
-    if not isinstance(cls.options, tuple) or not all(isinstance(option, Setting) for option in cls.options):
-        raise H2OStreamError(f"{cls.__qualname__}.options must be a tuple of Setting declarations")
+    (`_part_names`), whose `options` are made from its fields (`declarations.field_settings`) and whose `ranking` is
+    None if it has a `keep` of its own."""
     if cls.scoring is not None and not isinstance(cls.scoring, Scores):
         raise H2OStreamError(f"{cls.__qualname__}.scoring must be a Scores declaration or None")
     if cls.ranking is not None and cls.ranking not in RANKINGS:
