@@ -12,6 +12,7 @@ Covers Llama-style models with default RoPE.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -41,7 +42,7 @@ def stream_for(policy, length: int, *, seed: int, vocab: int) -> torch.Tensor:
     be comparable.
     """
     generator = torch.Generator().manual_seed(seed)
-    if type(policy).ranking == "key_diversity":
+    if type(policy).ranking.name in ("key_diversity", "own_score"):
         assert length <= vocab - 2
         return (torch.randperm(vocab - 2, generator=generator)[:length] + 2).unsqueeze(0)
     return torch.randint(2, vocab, (1, length), generator=generator)
@@ -104,7 +105,7 @@ class Rules:
     accumulate: str | None  # sum / decay / latest / moments, or None: no scores
     layer_mean: bool  # the layer's mean over every query head, else per KV head (its query heads summed)
     decay: float
-    ranking: str | None  # age / score / mean / key_diversity / token_class / pooled / head_class
+    ranking: str | None  # age / score / mean / key_diversity / token_class / pooled / head_class / own_score
     separator_ids: frozenset = frozenset()
     window: int = 0  # "window": the latest queries whose attention counts
     quantile: float = 0.0  # "window": count the query heads giving more than this quantile of their row instead
@@ -115,6 +116,7 @@ class Rules:
     gumbel: tuple | None = None  # Gumbel-regularised scores: (seed, tau_init, tau_end, tau_steps)
     merge: tuple | None = None  # evicted entries merged into the ones after them: (span, seed)
     retrieval: frozenset = frozenset()  # "head_class": the (layer, KV head) pairs ranking by score, as text ("*": any)
+    score: Callable | None = None  # "own_score": the policy's own `score(entries)`
 
     @classmethod
     def of(cls, policy) -> Rules:
@@ -138,7 +140,7 @@ class Rules:
             accumulate,
             heads == "layer",
             decay,
-            type(policy).ranking,
+            type(policy).ranking.name,
             frozenset(getattr(policy, "separator_ids", ())),
             window=window,
             quantile=quantile,
@@ -153,6 +155,7 @@ class Rules:
                 for pair in getattr(policy, "retrieval_heads", "none").split(",")
                 if pair != "none"
             ),
+            score=getattr(policy, "score", None),
         )
 
     def layer_parts(self, layers: int) -> list[dict[str, int]]:
@@ -174,7 +177,7 @@ class Rules:
 
 class Oracle:
     #: the rankings whose cut rules `cut` spells out (the engine tests compare these)
-    RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled", "head_class")
+    RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled", "head_class", "own_score")
 
     def __init__(self, model, rules: Rules, *, rolling: bool = True):
         config = model.config
@@ -364,6 +367,24 @@ class Oracle:
                 for o in after[:span]:
                     o.value = o.value + e.value / span
 
+    def own_scores(self, entries: list[Entry], layer: int, head: int) -> dict[int, float]:
+        """{stream position: the policy's `score`} of a head's `entries` (keys as the engine stores them)."""
+        from h2o_stream.engine.policies import Entries
+
+        assert self.rules.score is not None
+        rows = head + 1
+        keys = [e.key if self.rolling else rope(e.key, e.position, self.inv_freq) for e in entries]
+        view = Entries(
+            positions=torch.tensor([e.position for e in entries]).expand(1, rows, -1),
+            keys=torch.stack(keys).float().expand(1, rows, -1, -1),
+            values=torch.stack([e.value for e in entries]).float().expand(1, rows, -1, -1),
+            scores=None
+            if self.rules.accumulate is None
+            else torch.tensor([e.score for e in entries]).expand(1, rows, -1),
+            layer=layer,
+        )
+        return {e.position: float(x) for e, x in zip(entries, self.rules.score(view)[0, head], strict=True)}
+
     def choose(self, entries: list[Entry], parts: dict[str, int], layer: int, head: int) -> list[Entry]:
         budget = sum(parts.values())
         if not parts or len(entries) <= budget:
@@ -404,6 +425,11 @@ class Oracle:
                 near = [o.score for o in others[max(0, i - half) : i + half + 1]]
                 pooled[id(e)] = max(near) if self.rules.max_pool else sum(near) / self.rules.kernel
             chosen = sorted(others, key=lambda e: (-pooled[id(e)], e.position))[:ranked]
+        elif ranking == "own_score":
+            # the policy's own score of every entry held, asked as the engine asks it (all KV heads of the layer at
+            # once: this head's entries in every head's row); the highest among the others, ties to the older one
+            own = self.own_scores(entries, layer, head)
+            chosen = sorted(others, key=lambda e: (-own[e.position], e.position))[:ranked]
         elif ranking == "token_class":
             # the most recent separators; spare slots to the most recent other entries
             chosen = sorted(others, key=lambda e: (e.token in self.rules.separator_ids, e.position), reverse=True)

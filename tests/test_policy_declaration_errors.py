@@ -16,6 +16,7 @@ from h2o_stream import H2OStreamError, make_policy, register
 from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
 from h2o_stream.engine.policies.base import HEAVY, RECENT, SINKS, Scores, Setting, setting, shrink_parts
 from h2o_stream.engine.policies.h2o import H2OPolicy
+from h2o_stream.engine.policies.ranking import AGE, HEAD_CLASS, SCORE
 
 #: the settings a policy that merges declares (validation.MERGE_SETTINGS): name -> (default, help)
 MERGE = {"merge_span": (4, "entries a merge spreads over"), "merge_seed": (0, "the coin's seed")}
@@ -144,16 +145,16 @@ def test_a_bases_setting_redeclared_as_a_plain_field_is_refused():
     "declaration",
     [
         # a schedule that is not one
-        dict(parts=(HEAVY, RECENT), scoring=Scores(), ranking="score", layer_schedule="staircase"),
+        dict(parts=(HEAVY, RECENT), scoring=Scores(), ranking=SCORE, layer_schedule="staircase"),
         # ranked by age: nothing ranked to spread over the layers
-        dict(parts=(HEAVY, RECENT), ranking="age", layer_schedule="pyramid"),
+        dict(parts=(HEAVY, RECENT), ranking=AGE, layer_schedule="pyramid"),
         # no ranked part at all
-        dict(parts=(SINKS, RECENT), scoring=Scores(), ranking="score", layer_schedule="pyramid"),
+        dict(parts=(SINKS, RECENT), scoring=Scores(), ranking=SCORE, layer_schedule="pyramid"),
         # two ranked parts: which one the schedule spreads is not said
         dict(
             parts=(HEAVY, Part("light", "l", fixed=2), RECENT),
             scoring=Scores(),
-            ranking="score",
+            ranking=SCORE,
             layer_schedule="pyramid",
         ),
     ],
@@ -191,7 +192,7 @@ def test_gumbel_scores_without_every_temperature_setting_are_refused(missing):
         type(
             "Noisy",
             (EvictionPolicy,),
-            declaring(settings, name="noisy", parts=(HEAVY, RECENT), scoring=Scores(gumbel=True), ranking="score"),
+            declaring(settings, name="noisy", parts=(HEAVY, RECENT), scoring=Scores(gumbel=True), ranking=SCORE),
         )
 
 
@@ -208,11 +209,11 @@ def test_an_eviction_other_than_drop_or_merge_is_refused(bad_eviction):
 @pytest.mark.parametrize(
     "its_scoring, its_ranking, its_settings",
     [
-        (None, "age", MERGE),  # nothing to merge by
-        (Scores(), "score", MERGE),  # summed, not the latest attention
-        (Scores("latest", heads="layer"), "score", MERGE),  # one decision per layer, not per KV head
-        (Scores("latest"), "score", {"merge_span": MERGE["merge_span"]}),  # no merge_seed
-        (Scores("latest"), "score", {"merge_seed": MERGE["merge_seed"]}),  # no merge_span
+        (None, AGE, MERGE),  # nothing to merge by
+        (Scores(), SCORE, MERGE),  # summed, not the latest attention
+        (Scores("latest", heads="layer"), SCORE, MERGE),  # one decision per layer, not per KV head
+        (Scores("latest"), SCORE, {"merge_span": MERGE["merge_span"]}),  # no merge_seed
+        (Scores("latest"), SCORE, {"merge_seed": MERGE["merge_seed"]}),  # no merge_span
     ],
     ids=["no-scores", "summed", "per-layer", "no-seed", "no-span"],
 )
@@ -235,7 +236,7 @@ def test_a_merging_declaration_with_all_it_needs_is_taken():
         parts = (HEAVY, RECENT)
         eviction = "merge"
         scoring = Scores("latest")
-        ranking = "score"
+        ranking = SCORE
         merge_span: int = setting(4, "entries a merge spreads over")
         merge_seed: int = setting(0, "the coin's seed")
 
@@ -367,12 +368,12 @@ def test_ranking_by_head_class_needs_scores_and_the_classes_setting():
         class Unscored(EvictionPolicy):
             name = "unscored"
             parts = (HEAVY, RECENT)
-            ranking = "head_class"
+            ranking = HEAD_CLASS
 
-    with pytest.raises(H2OStreamError, match="ranks by head class and needs the settings retrieval_heads"):
+    with pytest.raises(H2OStreamError, match="ranks by head_class and needs the settings retrieval_heads"):
 
         class Unclassed(EvictionPolicy):
             name = "unclassed"
             parts = (HEAVY, RECENT)
             scoring = Scores("sum")
-            ranking = "head_class"
+            ranking = HEAD_CLASS

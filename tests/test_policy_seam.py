@@ -24,6 +24,7 @@ from h2o_stream.engine.policies import POLICIES, EvictionPolicy, Part
 from h2o_stream.engine.policies.base import HEAVY, RECENT, Scores, Setting, split_budget
 from h2o_stream.engine.policies.declarations import SETTING_METADATA
 from h2o_stream.engine.policies.h2o import H2OPolicy
+from h2o_stream.engine.policies.ranking import MEAN, SCORE
 from h2o_stream.engine.policies.slots import last_slots
 from policy_matrix import ALL, BANDED, EVICTING, SCORED, TOKENIZED, build
 from tiny_models import random_ids, tiny_model
@@ -101,7 +102,7 @@ class HeaviestPolicy(EvictionPolicy):
     name = "heaviest"
     parts = (HEAVY, RECENT)
     scoring = Scores()
-    ranking = "score"
+    ranking = SCORE
 
 
 @pytest.mark.parametrize("chunk", [1, 4], ids=["exact", "chunked"])
@@ -153,10 +154,10 @@ def test_bad_declarations_are_refused():
     with pytest.raises(H2OStreamError, match="scores accumulate by one of sum, decay, latest, moments"):
         Scores("max")
     with pytest.raises(H2OStreamError, match="ranks by score and needs a scoring"):
-        type("RankedByNothing", (EvictionPolicy,), {"name": "ranked-by-nothing", "ranking": "score"})
+        type("RankedByNothing", (EvictionPolicy,), {"name": "ranked-by-nothing", "ranking": SCORE})
     with pytest.raises(H2OStreamError, match=r"ranks by the mean and needs Scores\('moments'\)"):
-        type("MeanOfSums", (EvictionPolicy,), {"name": "mean-of-sums", "ranking": "mean", "scoring": Scores()})
-    with pytest.raises(H2OStreamError, match="ranking must be one of age, score, mean"):
+        type("MeanOfSums", (EvictionPolicy,), {"name": "mean-of-sums", "ranking": MEAN, "scoring": Scores()})
+    with pytest.raises(H2OStreamError, match=r"ranking must be a Ranking \(policies/ranking.py"):
         type("Alphabetical", (EvictionPolicy,), {"name": "alphabetical", "ranking": "alphabetical"})
     with pytest.raises(H2OStreamError, match="scoring must be a Scores declaration"):
         type("SumString", (EvictionPolicy,), {"name": "sum-string", "scoring": "sum"})
@@ -176,7 +177,7 @@ def test_a_declaration_missing_what_the_engine_will_read_is_refused_when_defined
                 "name": "betaless",
                 "parts": (HEAVY, RECENT),
                 "scoring": Scores(),
-                "ranking": "score",
+                "ranking": SCORE,
                 "layer_schedule": "pyramid",
             },
         )

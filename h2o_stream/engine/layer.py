@@ -307,7 +307,7 @@ class StreamingLayer(CacheLayerMixin):
         Band policies (sink, window) keep the same slots whenever the cache holds the same number of entries, so
         their answer is memoised: in steady state it is one dictionary lookup per layer and step.
         """
-        keys, _, positions = self._entries()
+        keys, values, positions = self._entries()
         batch, heads, slots = positions.shape
         memo_key = (batch, heads, slots)
         banded = then is None and policy.band() is not None
@@ -316,6 +316,8 @@ class StreamingLayer(CacheLayerMixin):
         extra: dict[str, torch.Tensor | int] = {}
         if policy.needs_keys:
             extra["keys"] = keys
+        if policy.needs_values:
+            extra["values"] = values
         if policy.needs_tokens:
             assert self.tokens is not None  # a layer carries token ids for a policy that reads them
             extra["tokens"] = self.tokens

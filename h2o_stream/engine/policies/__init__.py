@@ -10,6 +10,7 @@ import importlib
 import pkgutil
 
 from .base import EvictionPolicy, Part, Setting
+from .ranking import Entries, Ranking
 from .registry import POLICIES, declared_options, declared_parts, policy_class, register
 from .split import make_policy
 
@@ -17,9 +18,11 @@ for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")  # importing a policy module registers it
 
 __all__ = [
+    "Entries",
     "EvictionPolicy",
     "POLICIES",
     "Part",
+    "Ranking",
     "Setting",
     "declared_options",
     "declared_parts",

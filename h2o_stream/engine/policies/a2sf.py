@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import HEAVY, RECENT, EvictionPolicy, Scores, setting
+from .ranking import SCORE
 from .registry import register
 
 
@@ -31,4 +32,4 @@ class A2SFPolicy(EvictionPolicy):
     name = "a2sf"
     parts = (HEAVY, RECENT)
     scoring = Scores("decay", decay="alpha")
-    ranking = "score"
+    ranking = SCORE

@@ -7,16 +7,18 @@ A policy declares (docs/design.md, "Writing a policy"):
   `Setting`), checked when the policy is made;
 - `scoring`: how the attention an entry receives becomes its score (`Scores`), or None: no scores (the fused
   attention path stays);
-- `ranking`: how the entries between the sinks and the recent window are ranked for the ranked parts (ranking.py):
-  "age" (none ranked: a band), "score", "mean", "key_diversity", "token_class", "pooled", "head_class";
+- `ranking`: how the entries between the sinks and the recent window are ranked for the ranked parts, one of the
+  objects of ranking.py (`AGE`, none ranked: a band; `SCORE`, `MEAN`, `KEY_DIVERSITY`, ...); or, simplest, a method
+  `score(entries)` of its own (`Entries`): the entries of highest score are kept (ranking `OWN_SCORE`);
 - optionally `fair_chunk_share` (the default fair chunk, as a share of the budget), `tokenizer_settings` (fields
   derived from the tokenizer, for "token_class") and `fit_model` (refusing a model its settings do not name).
 
 From these the engine gets, for every path alike (tensor operations, the compiled exact-mode loop, fair chunks, the
 tests' oracle): whether layers carry scores and of what shape, how a step's attention updates them
 (`update_scores`, `query_weights`), which slots a cut keeps (`keep`, `keep_twice`), the band of a policy that needs no
-decision inside a chunk (`band`), the compiled loop's rule (`drop_one`), and whether cuts nest (`cuts_nest`). A policy
-whose cut none of the rankings says overrides `keep` (ranking None); it then runs on the tensor operations only.
+decision inside a chunk (`band`), the compiled loop's rule (`drop_one`), and whether cuts nest (`cuts_nest`); the
+ranking object answers what depends on the ranking. A policy whose cut no ranking says overrides `keep` (ranking
+None); it then runs on the tensor operations only.
 The declaration is checked when its class is defined (validation.py); the scores' arithmetic is in score_updates.py.
 """
 
@@ -46,7 +48,8 @@ from .declarations import (
     shrink_parts,
     split_budget,
 )
-from .slots import at_slots, first_slots, keep_top, last_slots
+from .ranking import AGE, OWN_SCORE, Entries, Ranking
+from .slots import at_slots
 from .validation import check_declaration
 
 __all__ = [
@@ -54,6 +57,7 @@ __all__ = [
     "RECENT",
     "SINKS",
     "DropOne",
+    "Entries",
     "EvictionPolicy",
     "Part",
     "Scores",
@@ -81,7 +85,7 @@ class EvictionPolicy:
     #: how attention becomes an entry's score; None: no scores
     scoring: ClassVar[Scores | None] = None
     #: how the entries between the protected ends are ranked (ranking.py); None: the policy's own `keep`
-    ranking: ClassVar[str | None] = "age"
+    ranking: ClassVar[Ranking | None] = AGE
     #: the default chunk in fair chunked mode, as a share of the budget (`default_chunk_size`, which also keeps it
     #: within the recent window + 1): small enough that chunked perplexity stays within 1% of exact mode's (measured
     #: per policy, eval/results/quality/gap.json)
@@ -102,6 +106,8 @@ class EvictionPolicy:
     score_squares: ClassVar[bool] = False
     #: whether `keep` reads the keys the layer holds (as the layer stores them: un-rotated when rolling)
     needs_keys: ClassVar[bool] = False
+    #: whether `keep` reads the values the layer holds
+    needs_values: ClassVar[bool] = False
     #: whether `keep` reads every entry's token id (forwards must bring token ids)
     needs_tokens: ClassVar[bool] = False
     #: whether building the policy needs the model's tokenizer (`tokenizer_settings`)
@@ -120,6 +126,8 @@ class EvictionPolicy:
             raise H2OStreamError(f"{cls.__qualname__}.parts must be a tuple of Part declarations")
         cls.options = field_settings(cls)  # before check_declaration, which reads them
         cls._part_names = tuple(part.name for part in cls.parts)  # `budget` runs every layer and step: no rebuilding
+        if "score" in cls.__dict__ and "ranking" not in cls.__dict__:
+            cls.ranking = OWN_SCORE  # ranked by a score of its own
         if "keep" in cls.__dict__ and "ranking" not in cls.__dict__:
             cls.ranking = None  # a cut of its own
         if cls.ranking is None and cls.keep is EvictionPolicy.keep:
@@ -128,9 +136,11 @@ class EvictionPolicy:
         cls.needs_scores = cls.scoring is not None
         cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
         cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
-        cls.needs_keys = cls.ranking == "key_diversity"
-        cls.needs_tokens = cls.needs_tokenizer = cls.ranking == "token_class"
-        cls.needs_layer = cls.ranking == "head_class"
+        ranking = cls.ranking
+        cls.needs_keys = ranking is not None and ranking.needs_keys
+        cls.needs_values = ranking is not None and ranking.needs_values
+        cls.needs_tokens = cls.needs_tokenizer = ranking is not None and ranking.needs_tokens
+        cls.needs_layer = ranking is not None and ranking.needs_layer
         cls.required_options = tuple(option.name for option in cls.options if option.required)
 
     @classmethod
@@ -292,21 +302,11 @@ class EvictionPolicy:
 
         `positions` (batch, kv_heads, n) are stream indices in slot order (ascending); `scores` the same shape (plus a
         last axis of 2 for "moments") or None without scoring; `keys=` (batch, kv_heads, n, head_dim) with
-        `needs_keys`, `tokens=` with `needs_tokens`, `layer=` (the model layer's index) with `needs_layer`. Called
-        only when n > budget."""
-        from .ranking import RANKERS
-
-        sinks, recent = self.protected_sinks, self.protected_recent
-        if self.ranking == "age":
-            import torch
-
-            # The sinks are never cut and are the oldest entries, so past the first cut they sit in slots 0..sinks-1.
-            n = positions.shape[-1]
-            return torch.cat([first_slots(sinks, positions), last_slots(n, recent, positions)], dim=-1)
+        `needs_keys`, `values=` with `needs_values`, `tokens=` with `needs_tokens`, `layer=` (the model layer's index)
+        with `needs_layer`. Called only when n > budget."""
         # ranking None: a `keep` of the policy's own replaces this one (__init_subclass__ refuses one without)
         assert self.ranking is not None
-        ranks = RANKERS[self.ranking](self, positions, scores, **extra)
-        return keep_top(ranks, self.ranked_slots, sinks=sinks, recent=recent)
+        return self.ranking.keep(self, positions, scores, **extra)
 
     def merged(
         self, values: torch.Tensor, positions: torch.Tensor, scores: torch.Tensor, kept: torch.Tensor, layer: int
@@ -324,10 +324,8 @@ class EvictionPolicy:
         """What a cut with `keep` followed at once by a cut with `then` (this policy `reduced` to a smaller budget)
         keeps, as slots of the entries now held: (batch, kv_heads, then.budget), ascending. A fair chunk of a policy
         whose cuts do not nest needs both before the next chunk; made as one, the layer gathers its tensors once."""
-        from .ranking import BOTH_CUTS  # a ranking's two cuts made as one, where it has such a way
-
-        both = BOTH_CUTS[self.ranking](self, then, positions, scores, **extra) if self.ranking in BOTH_CUTS else None
-        if both is not None:
+        both = None if self.ranking is None else self.ranking.keep_twice(self, then, positions, scores, **extra)
+        if both is not None:  # the ranking's two cuts made as one
             return both
         if scores is not None and self.score_window:  # rankings read a window's sum: gather one column, not all
             scores = scores.sum(-1, keepdim=True)
@@ -342,40 +340,26 @@ class EvictionPolicy:
     @property
     def cuts_nest(self) -> bool:
         """Whether cutting to the budget and then to a `reduced` budget keeps what one cut to the reduced budget keeps
-        (scores unchanged): True for a ranking that is one fixed order of the entries ("age", "score", "token_class",
-        "head_class"; "mean" while the newest entry, from which ages count, is kept), not for "key_diversity" (its
-        anchor is the mean of the keys held) nor "pooled" (its ranks depend on the neighbours an earlier cut left).
-        Between two fair chunks such a policy makes one cut, with `reduced`; any other both at once (`keep_twice`)."""
-        if self.ranking == "mean":
-            return self.protected_recent >= 1
-        return self.ranking in ("age", "score", "token_class", "head_class")
+        (scores unchanged), as the ranking says (`Ranking.nests`): True for one fixed order of the entries. Between two
+        fair chunks such a policy makes one cut, with `reduced`; any other both at once (`keep_twice`)."""
+        return self.ranking is not None and self.ranking.nests(self)
 
     def band(self) -> tuple[int, int] | None:
         """(sinks, recent) if every query keeps exactly the first `sinks` stream tokens and its last `recent`
-        predecessors (ranking "age", no scores): no decision inside a chunk, so chunked mode can equal exact mode
-        with a banded mask. None for every other policy."""
-        if self.ranking != "age" or self.scoring is not None or self.budget is None:
+        predecessors (a ranking that ranks nothing, no scores): no decision inside a chunk, so chunked mode can equal
+        exact mode with a banded mask. None for every other policy."""
+        if self.ranking is None or self.ranking.ranks_entries or self.scoring is not None or self.budget is None:
             return None
         return self.protected_sinks, self.protected_recent
 
     def drop_one(self) -> DropOne | None:
-        """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: rankings
-        "age", "score" and "mean" on the model's own attention, dropping what they evict; None for the others, for
-        Gumbel-regularised scores and for merging (exact mode stays on the tensor operations)."""
-        if (
-            self.budget is None
-            or self.ranking not in ("age", "score", "mean")
-            or self.score_window
-            or self.gumbel
-            or self.eviction != "drop"
-        ):
+        """Exact mode's one-entry cut for the compiled loop (`engine/compiled.py`), from the declaration: the
+        ranking's (`Ranking.drop_one`) on the model's own attention, dropping what it evicts; None for a ranking
+        without one, for window and Gumbel-regularised scores and for merging (exact mode stays on the tensor
+        operations)."""
+        if self.budget is None or self.ranking is None or self.score_window or self.gumbel or self.eviction != "drop":
             return None
-        rule = DropOne(sinks=self.protected_sinks, recent=self.protected_recent, ranked=self.ranking != "age")
-        if self.ranking == "score":
-            return dataclasses.replace(rule, decay=self.decay, latest_only=self.score_queries == "last")
-        if self.ranking == "mean":
-            return dataclasses.replace(rule, by_mean=True, volatile=getattr(self, "volatile", 0))
-        return rule
+        return self.ranking.drop_one(self)
 
     def reduced(self, budget: int) -> EvictionPolicy:
         """This policy with a smaller `budget` (>= 1): what a fair chunk of C tokens keeps before it runs, at

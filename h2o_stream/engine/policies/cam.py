@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import RECENT, SINKS, EvictionPolicy, Scores, setting
+from .ranking import AGE
 from .registry import register
 
 
@@ -42,5 +43,5 @@ class CaMPolicy(EvictionPolicy):
     name = "cam"
     parts = (SINKS, RECENT)
     scoring = Scores("latest")
-    ranking = "age"
+    ranking = AGE
     eviction = "merge"

@@ -171,8 +171,6 @@ def _bound(value: float) -> str:
 
 #: how attention becomes a score (`Scores.accumulate`)
 ACCUMULATORS = ("sum", "decay", "latest", "moments", "window")
-#: how the entries between the sinks and the recent window are ranked for the ranked parts (`EvictionPolicy.ranking`)
-RANKINGS = ("age", "score", "mean", "key_diversity", "token_class", "pooled", "head_class")
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import HEAVY, RECENT, EvictionPolicy, Scores
+from .ranking import SCORE
 from .registry import register
 
 
@@ -20,4 +21,4 @@ class H2OPolicy(EvictionPolicy):
     name = "h2o"
     parts = (HEAVY, RECENT)
     scoring = Scores("sum")
-    ranking = "score"
+    ranking = SCORE

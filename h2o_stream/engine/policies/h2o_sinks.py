@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import HEAVY, RECENT, SINKS, EvictionPolicy, Scores
+from .ranking import SCORE
 from .registry import register
 
 
@@ -24,4 +25,4 @@ class H2OSinksPolicy(EvictionPolicy):
     name = "h2o_sinks"
     parts = (SINKS, HEAVY, RECENT)
     scoring = Scores("sum")
-    ranking = "score"
+    ranking = SCORE

@@ -28,6 +28,7 @@ from pathlib import Path
 from h2o_stream.errors import H2OStreamError
 
 from .base import HEAVY, RECENT, SINKS, EvictionPolicy, Scores, setting
+from .ranking import HEAD_CLASS
 from .registry import register
 
 #: the `kind` of a head classification file (`h2o-stream calibrate`)
@@ -56,7 +57,7 @@ class HeadHybridPolicy(EvictionPolicy):
     name = "head_hybrid"
     parts = (SINKS, HEAVY, RECENT)
     scoring = Scores("sum")
-    ranking = "head_class"
+    ranking = HEAD_CLASS
 
     def __post_init__(self):
         super().__post_init__()

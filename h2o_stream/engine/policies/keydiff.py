@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import RECENT, SINKS, EvictionPolicy, Part
+from .ranking import KEY_DIVERSITY
 from .registry import register
 
 
@@ -25,4 +26,4 @@ class KeyDiffPolicy(EvictionPolicy):
     recent: int
     name = "keydiff"
     parts = (SINKS, Part("diverse", "slots for the keys least similar to the mean key", share=0.5), RECENT)
-    ranking = "key_diversity"
+    ranking = KEY_DIVERSITY

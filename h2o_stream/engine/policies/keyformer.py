@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import EvictionPolicy, Part, Scores, setting
+from .ranking import SCORE
 from .registry import register
 
 
@@ -60,7 +61,7 @@ class KeyformerPolicy(EvictionPolicy):
         Part("recent", "recent-window slots, the last entries", share=0.3),
     )
     scoring = Scores("sum", gumbel=True)
-    ranking = "score"
+    ranking = SCORE
 
     def __post_init__(self):
         super().__post_init__()

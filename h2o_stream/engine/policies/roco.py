@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import EvictionPolicy, Part, Scores
+from .ranking import MEAN
 from .registry import register
 
 
@@ -36,7 +37,7 @@ class RoCoPolicy(EvictionPolicy):
         Part("recent", "recent-window slots, the last entries", fixed=10),
     )  # the official code's 10 newest
     scoring = Scores("moments")
-    ranking = "mean"  # the `volatile` of highest variance first, then the highest means
+    ranking = MEAN  # the `volatile` of highest variance first, then the highest means
     # exact mode by default: chunks up to its window + 1 (8) sat below exact mode (eval/results/quality/gap.json)
     # and ran slower than exact mode does compiled (eval/results/speed/exact_scan.json)
     fair_chunk_share = 0.0

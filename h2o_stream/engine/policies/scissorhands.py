@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import EvictionPolicy, Part, Scores, setting
+from .ranking import SCORE
 from .registry import register
 
 
@@ -49,4 +50,4 @@ class ScissorhandsPolicy(EvictionPolicy):
         Part("recent", "recent-window slots, the last entries", fixed=10),
     )
     scoring = Scores("window", window="history", quantile="quantile")
-    ranking = "score"
+    ranking = SCORE

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from h2o_stream.errors import H2OStreamError
 
 from .base import RECENT, SINKS, EvictionPolicy, Part
+from .ranking import TOKEN_CLASS
 from .registry import register
 
 #: SepLLM's separators: a token made only of these (and at least one of them) is a separator
@@ -50,7 +51,7 @@ class SepLLMPolicy(EvictionPolicy):
         Part("separators", "separator-token slots, the most recent punctuation/newline tokens", share=0.2),
         RECENT,
     )
-    ranking = "token_class"  # separators above the rest, newer above older within each
+    ranking = TOKEN_CLASS  # separators above the rest, newer above older within each
 
     def __post_init__(self):
         super().__post_init__()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import RECENT, SINKS, EvictionPolicy
+from .ranking import AGE
 from .registry import register
 
 
@@ -15,4 +16,4 @@ class SinkPolicy(EvictionPolicy):
     recent: int
     name = "sink"
     parts = (SINKS, RECENT)
-    ranking = "age"  # nothing ranked: the sinks and the recent window, a band
+    ranking = AGE  # nothing ranked: the sinks and the recent window, a band

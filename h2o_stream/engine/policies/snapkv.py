@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import EvictionPolicy, Part, Scores, setting
+from .ranking import POOLED
 from .registry import register
 
 
@@ -43,7 +44,7 @@ class SnapKVPolicy(EvictionPolicy):
         Part("recent", "recent-window slots, the last entries", share=1 / 8),
     )
     scoring = Scores("window", window="observation")
-    ranking = "pooled"
+    ranking = POOLED
 
     def __post_init__(self):
         super().__post_init__()

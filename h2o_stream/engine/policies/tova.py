@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import EvictionPolicy, Part, Scores, setting
+from .ranking import SCORE
 from .registry import register
 
 
@@ -28,4 +29,4 @@ class TOVAPolicy(EvictionPolicy):
     name = "tova"
     parts = (Part("states", "TOVA's states: slots ranked by the current query's attention"),)
     scoring = Scores("latest", heads="per_head")  # the layer's mean, or per KV head with per_head
-    ranking = "score"
+    ranking = SCORE

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from h2o_stream.errors import H2OStreamError
 
-from .declarations import RANKINGS, SCHEDULES, Scores
+from .declarations import SCHEDULES, Scores
+from .ranking import Ranking
 
 #: the settings a policy with Gumbel-regularised scores declares (`Scores.gumbel`)
 GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
@@ -16,8 +17,6 @@ GUMBEL_SETTINGS = ("tau_init", "tau_end", "tau_steps", "gumbel_seed")
 EVICTIONS = ("drop", "merge")
 #: the settings a policy that merges declares
 MERGE_SETTINGS = ("merge_span", "merge_seed")
-#: the settings a policy ranking by head class declares (which KV heads of which layers rank by score)
-HEAD_CLASS_SETTINGS = ("retrieval_heads",)
 #: the settings a policy with a per-layer schedule declares, by schedule (`EvictionPolicy.layer_schedule`)
 SCHEDULE_SETTINGS = {"pyramid": ("beta",)}
 
@@ -28,18 +27,19 @@ def check_declaration(cls) -> None:
     None if it has a `keep` of its own."""
     if cls.scoring is not None and not isinstance(cls.scoring, Scores):
         raise H2OStreamError(f"{cls.__qualname__}.scoring must be a Scores declaration or None")
-    if cls.ranking is not None and cls.ranking not in RANKINGS:
+    if cls.ranking is not None and not isinstance(cls.ranking, Ranking):
         raise H2OStreamError(
-            f"{cls.__qualname__}.ranking must be one of {', '.join(RANKINGS)} (or None with a "
-            f"`keep` of its own), not {cls.ranking!r}"
+            f"{cls.__qualname__}.ranking must be a Ranking (policies/ranking.py: AGE, SCORE, MEAN, ...; or None "
+            f"with a `keep` of its own), not {cls.ranking!r}"
         )
-    if cls.scoring is None:
-        if cls.ranking in ("score", "mean", "pooled", "head_class"):
-            raise H2OStreamError(f"{cls.__qualname__} ranks by {cls.ranking} and needs a scoring")
-    elif cls.ranking == "mean" and cls.scoring.accumulate != "moments":
-        raise H2OStreamError(f"{cls.__qualname__} ranks by the mean and needs Scores('moments')")
+    refusal = None if cls.ranking is None else cls.ranking.refusal(cls)
+    if refusal is not None:
+        raise H2OStreamError(f"{cls.__qualname__} {refusal}")
     if cls.layer_schedule is not None and (
-        cls.layer_schedule not in SCHEDULES or cls.ranking in (None, "age") or len(cls._ranked_part_names()) != 1
+        cls.layer_schedule not in SCHEDULES
+        or cls.ranking is None
+        or not cls.ranking.ranks_entries
+        or len(cls._ranked_part_names()) != 1
     ):
         raise H2OStreamError(
             f"{cls.__qualname__}.layer_schedule must be one of {', '.join(SCHEDULES)}, for a "
@@ -53,10 +53,6 @@ def check_declaration(cls) -> None:
     if cls.scoring is not None and cls.scoring.gumbel and not set(GUMBEL_SETTINGS) <= set(cls.option_names()):
         raise H2OStreamError(
             f"{cls.__qualname__} has Gumbel-regularised scores and needs the settings {', '.join(GUMBEL_SETTINGS)}"
-        )
-    if cls.ranking == "head_class" and not set(HEAD_CLASS_SETTINGS) <= set(cls.option_names()):
-        raise H2OStreamError(
-            f"{cls.__qualname__} ranks by head class and needs the settings {', '.join(HEAD_CLASS_SETTINGS)}"
         )
     if cls.eviction not in EVICTIONS:
         raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .base import RECENT, EvictionPolicy
+from .ranking import AGE
 from .registry import register
 
 
@@ -14,4 +15,4 @@ class WindowPolicy(EvictionPolicy):
     recent: int
     name = "window"
     parts = (RECENT,)
-    ranking = "age"  # nothing ranked: the recent window, a band
+    ranking = AGE  # nothing ranked: the recent window, a band
