@@ -1,11 +1,11 @@
 """Several runs of a sweep at once: local worker processes, each with its own model, sharing the sweep's --out.
 
-The parent has already checked every run and holds --out (the CLI's `claim`); it hands run names out through a queue.
-Each worker (a fresh `spawn`ed interpreter: no forked torch threads) loads the model once with the sweep's loading
-options and its share of the CPU threads, then runs one run at a time with `Sweep.run`, so a run checkpoints,
-resumes and writes its result file exactly as it would alone (results equal a sequential sweep, tested). A signal
-to the parent (SIGINT, SIGTERM) is passed on: every worker checkpoints after its current chunk and stops; the
-parent then raises `Interrupted` and the same command with --resume continues every run where it stopped.
+The parent has already checked every run and holds --out (`launch.run_sweep`'s `claim`); it hands run names out through
+a queue. Each worker (a fresh `spawn`ed interpreter: no forked torch threads) loads the model once with the sweep's
+loading options and its share of the CPU threads, then runs one run at a time with `Sweep.run`, so a run checkpoints,
+resumes and writes its result file exactly as it would alone (results equal a sequential sweep, tested). A signal to the
+parent (SIGINT, SIGTERM) is passed on: every worker checkpoints after its current chunk and stops; the parent then
+raises `Interrupted` and the same command with --resume continues every run where it stopped.
 """
 
 from __future__ import annotations
