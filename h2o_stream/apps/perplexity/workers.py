@@ -27,8 +27,8 @@ from .sweep import run_share, write_reports
 def auto_workers(runs: int, model, *, cores: int | None = None, available: int | None = None) -> int:
     """Workers for `--workers auto`: on a CPU, one per core, at most one per run and as many as the available memory
     holds a model's copy (its parameters twice over plus 512 MiB of working memory each); elsewhere 1. One thread per
-    worker because a second thread speeds up the cache's many small operations little (eval/results/speed/: the
-    1- and 2-thread rows of the same runs), while a second worker doubles them."""
+    worker: the cache's many small operations gain little from a second thread (eval/results/speed/: the 1- and
+    2-thread rows of the same runs), while a second worker runs a second run beside the first."""
     if model.device.type != "cpu" or runs <= 1:
         return 1
     cores = cores or os.cpu_count() or 1
