@@ -47,7 +47,7 @@ SUMMARIES = {
     "profile": "Where fair chunks spend the time their raw twin does not, operator by operator (torch profiler).",
     "calibration": "head_hybrid's head classifications per model and cache size (parts: run, figure).",
     "device": "Accelerator check: correctness of every policy on the device, then timings.",
-    "render": "docs/results.md and README.md's marked blocks from eval/results/**/*.json.",
+    "render": "docs/results.md and the marked blocks of README.md and docs/ from eval/results/**/*.json.",
     "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",
 }
 

@@ -1,8 +1,10 @@
-"""`python -m eval render`: docs/results.md and README.md's marked blocks, from eval/results/**/*.json only.
+"""`python -m eval render`: docs/results.md and the marked blocks of the hand-written pages (MARKED: README.md,
+docs/findings.md, docs/development.md), from eval/results/**/*.json only.
 
-In README.md the text between a `<!-- render:NAME -->` line and its `<!-- /render:NAME -->` line is replaced by block
-NAME (one of BLOCKS); everything else is left byte for byte, and a README without some block is fine. An unknown or
-unclosed block is an error. `--check` writes nothing and exits 1, listing the files that are stale.
+In a marked page the text between a `<!-- render:NAME -->` line and its `<!-- /render:NAME -->` line is replaced by
+block NAME (one of BLOCKS), wherever the page has it; everything else is left byte for byte, and a page without some
+block (or a root without the page) is fine. An unknown or unclosed block is an error. `--check` writes nothing and
+exits 1, listing the files that are stale.
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from eval.speed_page import decode_files
 from eval.verdicts import long_by_model, target
 
 README = Path("README.md")
+#: the hand-written pages whose marked blocks are rendered: the product page, the findings the results add up to, and
+#: the development page (the tests' coverage)
+MARKED = (README, Path("docs/findings.md"), Path("docs/development.md"))
 MARKER = re.compile(r"^<!-- (/?)render:([\w-]+) -->[ \t]*\r?$", re.MULTILINE)
 NAMES = {"h2o": "H2O", "tova": "TOVA", "sink": "sinks"}
 
@@ -265,8 +270,18 @@ BLOCKS = {
 }
 
 
+LINK = re.compile(r"\]\((?![a-z]+:|#)")
+
+
+def relative_links(line: str, where: str) -> str:
+    """`line` with its links, which blocks write from the repository's root, made relative to page `where`."""
+    up = "../" * (len(Path(where).parts) - 1)
+    return LINK.sub(f"]({up}", line) if up else line
+
+
 def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
-    """`text` with every marked block's content rendered anew; the rest kept byte for byte."""
+    """`text` (the page `where`, from the repository's root) with every marked block's content rendered anew; the
+    rest kept byte for byte."""
     newline = "\r\n" if "\r\n" in text else "\n"
     out, position, opened = [], 0, None
     for match in MARKER.finditer(text):
@@ -285,7 +300,7 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
             if not opened or opened[0] != name:
                 raise RenderError(f"{where} line {line}: <!-- /render:{name} --> closes no open block {name!r}")
             with unexpected(f"{where} block {name!r}"):
-                body = newline.join(BLOCKS[name](res))
+                body = newline.join(relative_links(line, where) for line in BLOCKS[name](res))
             out += [text[position : opened[1]], body + newline if body else ""]
             position, opened = match.start(), None
     if opened:
@@ -310,11 +325,12 @@ def fill_blocks(text: str, res: Results, where: str = "README.md") -> str:
 )
 @click.option("--check", is_flag=True, help="Write nothing; exit 1, listing them, if any file would change.")
 def render(results, root, check):
-    """docs/results.md and README.md's marked blocks from eval/results/**/*.json."""
+    """docs/results.md and the marked blocks of README.md and docs/ from eval/results/**/*.json."""
     res = Results(results, root)
     outputs = {root / PAGE: results_page(res)}
-    if (root / README).is_file():
-        outputs[root / README] = fill_blocks((root / README).read_bytes().decode("utf-8"), res)
+    for page in MARKED:
+        if (root / page).is_file():
+            outputs[root / page] = fill_blocks((root / page).read_bytes().decode("utf-8"), res, str(page))
     stale = [path for path, text in outputs.items() if not path.is_file() or path.read_bytes() != text.encode()]
     if check:
         if stale:

@@ -1,4 +1,5 @@
-"""`python -m eval render`: docs/results.md and README.md's marked blocks from eval/results/**/*.json (no model)."""
+"""`python -m eval render`: docs/results.md and the marked blocks of README.md and docs/ from eval/results/**/*.json
+(no model)."""
 
 from __future__ import annotations
 
@@ -91,6 +92,20 @@ def test_readme_outside_the_blocks_is_kept_byte_for_byte(copy):
     assert "stale headline" not in text and "\nold\n" not in text
     report = json.loads((results / "long_4m" / "report.json").read_text())
     assert f"**{report['vs_sink']['h2o-256']['ppl']:.2f}**" in text  # the headline, from long_4m
+
+
+def test_the_marked_pages_under_docs_are_rendered_with_links_relative_to_them(copy):
+    results, root = copy
+    (root / "docs").mkdir()
+    page = root / "docs" / "findings.md"
+    page.write_text("# Findings\n\n<!-- render:speed -->\nstale\n<!-- /render:speed -->\nkept\n")
+    check = run(results, root, "--check")
+    assert check.exit_code == 1 and "findings.md" in check.output
+    assert run(results, root).exit_code == 0
+    text = page.read_text()
+    assert "stale" not in text and text.startswith("# Findings\n") and text.endswith("<!-- /render:speed -->\nkept\n")
+    assert "](../docs/results.md#speed)" in text  # from docs/, the link the README's block makes from the root
+    assert "](docs/results.md#speed)" in (root / "README.md").read_text()
 
 
 def test_a_readme_without_blocks_is_left_as_it_is(copy):

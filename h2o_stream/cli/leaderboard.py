@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import shlex
+import sys
 from pathlib import Path
 
 import click
 
+from h2o_stream.apps.perplexity.interrupt import Interrupted
 from h2o_stream.apps.perplexity.leaderboard import FILES, markdown, write_leaderboard
 from h2o_stream.engine.policies import POLICIES
 from h2o_stream.errors import H2OStreamError
@@ -26,7 +28,6 @@ from .options import (
     stream_tokens_at_least,
     workers_option,
 )
-from .ppl import run_sweep
 
 #: every registered policy with a bounded cache (full has no cache size to compare at) that runs at its defaults
 #: (head_hybrid needs its head classification: it runs when named, with --retrieval-heads)
@@ -103,6 +104,7 @@ def leaderboard(
             raise H2OStreamError(f"{runs} holds no finished runs to report on")
     else:
         loading_note(model_spec)
+        from h2o_stream.apps.perplexity.launch import run_sweep  # imported here: --help loads no torch
         from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 
         argv = command_argv()
@@ -124,18 +126,22 @@ def leaderboard(
             rows=rows,
             sliding=sliding,
         )
-        run_sweep(
-            sweep,
-            specs,
-            argv,
-            workers=workers,
-            ray_address=ray_address,
-            resumes_as_given=True,
-            spec=model_spec,
-            dtype=dtype,
-            device=device,
-            threads=threads,
-        )
+        try:
+            run_sweep(
+                sweep,
+                specs,
+                argv,
+                lambda text: click.echo(text, err=True),
+                workers=workers,
+                ray_address=ray_address,
+                resumes_as_given=True,
+                spec=model_spec,
+                dtype=dtype,
+                device=device,
+                threads=threads,
+            )
+        except Interrupted as stopped:  # checkpointed, and the command that resumes told
+            sys.exit(stopped.exit_status)
     board = write_leaderboard(runs, out)
     click.echo(markdown(board), nl=False)
     click.echo(f"leaderboard: {out}/ ({', '.join(FILES)}); runs in {runs}/", err=True)

@@ -5,12 +5,10 @@ from __future__ import annotations
 import shlex
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import click
 
-from h2o_stream.apps.perplexity.interrupt import Interrupted, StopRequest
-from h2o_stream.apps.perplexity.outdir import claim
+from h2o_stream.apps.perplexity.interrupt import Interrupted
 from h2o_stream.apps.perplexity.report import summary_table
 from h2o_stream.errors import H2OStreamError
 
@@ -29,9 +27,6 @@ from .options import (
     stream_tokens_at_least,
     workers_option,
 )
-
-if TYPE_CHECKING:  # imported in the command's body: --help loads no torch
-    from h2o_stream.apps.perplexity.sweep import Sweep
 
 
 @click.command()
@@ -145,6 +140,7 @@ def ppl(
     if span is not None and chunk_size is not None and span % chunk_size:
         raise H2OStreamError(f"--span must be a positive multiple of the chunk size ({chunk_size}), got {span}")
     loading_note(model_spec)
+    from h2o_stream.apps.perplexity.launch import run_sweep  # imported here: --help loads no torch
     from h2o_stream.apps.perplexity.sweep import Sweep, run_specs
 
     argv = command_argv()
@@ -169,68 +165,20 @@ def ppl(
         rows=rows,
         sliding=sliding,
     )
-    results = run_sweep(
-        sweep,
-        lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer),
-        argv,
-        workers=workers,
-        ray_address=ray_address,
-        spec=model_spec,
-        dtype=dtype,
-        device=device,
-        threads=threads,
-    )
+    try:
+        results = run_sweep(
+            sweep,
+            lambda tokenizer: run_specs(policy, cache_size, parts, tokenizer=tokenizer),
+            argv,
+            lambda text: click.echo(text, err=True),
+            workers=workers,
+            ray_address=ray_address,
+            spec=model_spec,
+            dtype=dtype,
+            device=device,
+            threads=threads,
+        )
+    except Interrupted as stopped:  # checkpointed, and the command that resumes told
+        sys.exit(stopped.exit_status)
     click.echo(summary_table(results))
     click.echo(f"results: {sweep.out}/ (ppl.png, summary.json, one JSON per run)", err=True)
-
-
-def run_sweep(
-    sweep: Sweep,
-    specs_with_tokenizer,
-    argv: list[str],
-    workers: int | None = 1,
-    ray_address: str | None = None,
-    resumes_as_given: bool = False,
-    **loading,
-) -> list[dict]:
-    """Check `sweep`, lock its --out, load the model (`loading`: load_model's options), build the runs that need the
-    tokenizer (`specs_with_tokenizer(tokenizer)` gives every run), check them all and run them: as Ray tasks with
-    `ray_address`, else in `workers` local processes when more than one (None: `auto_workers`). Ctrl-C / SIGTERM
-    checkpoint, print the command that resumes (`argv` with --resume, or as given for a command that always resumes:
-    `resumes_as_given`) and exit."""
-    from h2o_stream.apps.perplexity.ray_runs import check_address, run_on_ray
-    from h2o_stream.apps.perplexity.workers import auto_workers, run_in_workers
-    from h2o_stream.apps.progress import progress_every
-    from h2o_stream.loading.models import load_model, resolve_device
-
-    sweep.check()
-    progress_every()  # a bad H2O_STREAM_PROGRESS_EVERY fails before the model loads
-    resolve_device(loading["device"])  # a device this machine lacks fails before --out is made
-    if ray_address is not None:  # a bad address fails in seconds, not after the model has loaded
-        check_address(ray_address)
-    note = lambda text: click.echo(text, err=True)  # noqa: E731
-    with claim(sweep.out):  # before the model loads: an unwritable or busy --out fails in a second
-        loaded = load_model(**loading)
-        sweep.specs = specs_with_tokenizer(loaded.tokenizer)
-        stop = StopRequest()
-        try:
-            if workers is None and len(sweep.specs) == 1:  # --workers auto with one run: all cores to it
-                workers = 1
-            if ray_address is not None or workers != 1:
-                _, plans = sweep.check_runs(loaded.model, loaded.tokenizer, loaded.name)  # every run, before any starts
-                if workers is None:  # --workers auto: from the runs (or groups of rows) left to do
-                    left = {name for (name, _), plan in zip(sweep.specs, plans, strict=True) if not plan.done}
-                    workers = auto_workers(
-                        sum(any(name in left for name in group) for group in sweep.groups()), loaded.model
-                    )
-            if ray_address is not None or workers > 1:
-                del loaded  # the workers (or Ray tasks) load their own
-                if ray_address is not None:
-                    return run_on_ray(sweep, loading, ray_address, note)
-                return run_in_workers(sweep, loading, workers, note)
-            with stop.catching():
-                return sweep.run(loaded.model, loaded.tokenizer, loaded.name, stop=stop, note=note)
-        except Interrupted as stopped:
-            again = argv if resumes_as_given or "--resume" in argv else [*argv, "--resume"]
-            click.echo(f"{stopped}. Continue with:\n  {shlex.join(again)}", err=True)
-            sys.exit(stopped.exit_status)

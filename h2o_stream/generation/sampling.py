@@ -133,9 +133,9 @@ def logits_processors(sampling: Sampling) -> LogitsProcessorList:
 class SortFreeTopPLogitsWarper(TopPLogitsWarper):
     """transformers' `TopPLogitsWarper`, the same output bit for bit, without its index sort on CPU.
 
-    The parent sorts the whole vocabulary with its indices (torch.sort: ~3 ms of a ~60 ms decode step for a 49k
-    vocabulary on one core) to find the cut. The cut only needs the sorted values (np.sort, a tenth of the time; the
-    same values in the same order, so the same softmax and cumulative sums): every token below the first kept value
+    The parent sorts the whole vocabulary with its indices (torch.sort, at every decode step) to find the cut. The
+    cut only needs the sorted values (np.sort of the values alone, no indices carried along; the same values in the
+    same order, so the same softmax and cumulative sums): every token below the first kept value
     goes. Only when the cut falls inside a run of equal values does torch.sort's tie order decide which of them stay:
     then, and for batches, other devices or dtypes, and NaN, the parent does the work.
     """

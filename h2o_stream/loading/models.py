@@ -1,7 +1,7 @@
 """Load the model and tokenizer to stream with: the default model, a .gguf file, a model directory, or a Hub id.
 
 `load_model` is the one entry point. It checks its options first (dtype, device, threads: `resolve_dtype`,
-`resolve_device`), so that a typo fails in a second rather than after a load, then dispatches on the spec:
+`resolve_device`), so that a typo fails before the model loads, then dispatches on the spec:
 the default model is provisioned by `default_model`, the three kinds of source are read by `sources`.
 """
 
@@ -93,7 +93,7 @@ def load_model(
     `spec` is None or "smollm2" for the default model, another named model ("gemma3-270m", "qwen2.5-coder-1.5b":
     NAMED_MODELS), a .gguf file (converted once and cached by its sha256), a model directory, or a Hub id.
     """
-    # Check every option before the slow part, so a typo fails in a second rather than after a load.
+    # Check every option before the model loads, so that a typo fails before that work, not after it.
     torch_dtype = dtype if isinstance(dtype, torch.dtype) else resolve_dtype(dtype)
     torch_device = device if isinstance(device, torch.device) else resolve_device(device)
     if threads is not None:
@@ -148,11 +148,10 @@ def _copy_out_of_mapped_files(model) -> None:
     """Copy every parameter and buffer into memory of this process's own (the model's values stay as they are).
 
     transformers leaves the tensors of a .safetensors file memory-mapped from the file, every one of the default
-    model's 272 at an address off a 64-byte boundary. Copied out (aligned: torch's allocator gives 64 bytes), the
-    default model's raw chunked forward was measured a little faster, by less than the noise between rounds on a
-    2-core CPU but ahead in most paired rounds; the cause is not established. The copy costs a fraction of a second
-    at load; the mapping is released with the last tensor that used it. Tied weights stay tied:
-    a shared tensor is one parameter here.
+    model's 272 at an address off a 64-byte boundary. Copied out (aligned: torch's allocator gives 64 bytes), every
+    tensor the forwards read is aligned and in this process's own memory rather than paged in from the file; the
+    copy is made once, at load, and the mapping is released with the last tensor that used it. Tied weights stay
+    tied: a shared tensor is one parameter here.
     """
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()

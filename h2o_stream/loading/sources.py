@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 
 from h2o_stream.errors import H2OStreamError, one_line
 
-# transformers is imported inside the functions that need it: importing it takes seconds.
+# transformers is imported inside the functions that need it: a command that never loads a model never pays for it.
 
 _HUB_PROBE_SECONDS = 3.0  # how long the Hub's host gets to accept a connection before we call it unreachable
 
@@ -87,8 +87,8 @@ _SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_tok
 
 def rust_tokenizer_of(path: Path):
     """The tokenizer saved in `path` as a plain fast tokenizer: its tokenizer.json read by the `tokenizers` library,
-    its special tokens and chat template from beside it. transformers' own loader rebuilds a large vocabulary in
-    Python first (Gemma 3's 262k tokens: ~13 s of a 2-core start), to the same tokens; a converted copy is checked
+    its special tokens and chat template from beside it. transformers' own loader rebuilds the vocabulary in
+    Python first at every start (Gemma 3: 262k tokens), to the same tokens; a converted copy is checked
     to tokenize as its GGUF does with this loader (default_model.py)."""
     import json
 
@@ -137,8 +137,8 @@ def from_hub(repo_id: str, dtype: torch.dtype):
 def hub_unreachable() -> str | None:
     """Why the Hugging Face Hub cannot be used now, or None if it may be: offline mode is on (HF_HUB_OFFLINE or
     TRANSFORMERS_OFFLINE), or the Hub's host does not accept a connection within a few seconds (no network, no DNS).
-    Checked before going to the Hub, so that an offline machine fails in seconds instead of after a minute of
-    retries. Behind a proxy only the proxy knows, so the download is left to try."""
+    Checked before going to the Hub, so that an offline machine fails at once with the reason instead of after the
+    Hub client's retries. Behind a proxy only the proxy knows, so the download is left to try."""
     from huggingface_hub import constants
 
     if constants.HF_HUB_OFFLINE or any(
@@ -169,8 +169,8 @@ def _gguf_load_error(path: Path, exc: Exception) -> H2OStreamError:
     import gguf
 
     try:
-        # Parses the whole header, and checks every tensor lies inside the file. It takes seconds
-        # on a real model, so it runs only to explain a failure.
+        # Parses the whole header, and checks every tensor lies inside the file: work that grows with the model, so
+        # it runs only to explain a failure.
         gguf.GGUFReader(path)
     except Exception:  # noqa: BLE001 - whatever the reader raises, the file is not readable GGUF
         return H2OStreamError(

@@ -1,7 +1,7 @@
 """The output directory of a sweep: checked to take files before the model loads, and held by one run at a time.
 
 `claim(out)` creates `out` if needed, proves that a file can be written in it (a read-only directory, a full quota or
-a path under a file fails here, in a second, not at the first checkpoint after the work), takes an exclusive lock on
+a path under a file fails here, before any work, not at the first checkpoint after it), takes an exclusive lock on
 `out/.h2o-stream-ppl.lock` (flock: the kernel releases it when the process dies, even by SIGKILL) and records its pid
 there, so that a second run into the same directory is refused with the holder's pid. Under the lock, leftovers of
 writers killed mid-write are removed.

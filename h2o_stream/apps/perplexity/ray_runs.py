@@ -29,9 +29,9 @@ CONNECT_TIMEOUT = 5.0
 
 
 def check_address(address: str) -> None:
-    """Refuse, in seconds and before any model loads, a --ray address that cannot work: not `auto`, `local`,
-    `ray://HOST:PORT` or `HOST:PORT`, or a host and port where nothing answers (Ray itself retries such an address for
-    minutes). `auto` is left to Ray, which answers at once when no cluster runs here."""
+    """Refuse, before any model loads, a --ray address that cannot work: not `auto`, `local`, `ray://HOST:PORT` or
+    `HOST:PORT`, or a host and port where nothing answers (Ray itself keeps retrying such an address). `auto` is left
+    to Ray, which answers at once when no cluster runs here."""
     if address in (LOCAL, "auto"):
         return
     scheme, _, rest = address.rpartition("://")

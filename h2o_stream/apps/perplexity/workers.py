@@ -1,11 +1,11 @@
 """Several runs of a sweep at once: local worker processes, each with its own model, sharing the sweep's --out.
 
-The parent has already checked every run and holds --out (the CLI's `claim`); it hands run names out through a queue.
-Each worker (a fresh `spawn`ed interpreter: no forked torch threads) loads the model once with the sweep's loading
-options and its share of the CPU threads, then runs one run at a time with `Sweep.run`, so a run checkpoints,
-resumes and writes its result file exactly as it would alone (results equal a sequential sweep, tested). A signal
-to the parent (SIGINT, SIGTERM) is passed on: every worker checkpoints after its current chunk and stops; the
-parent then raises `Interrupted` and the same command with --resume continues every run where it stopped.
+The parent has already checked every run and holds --out (`launch.run_sweep`'s `claim`); it hands run names out through
+a queue. Each worker (a fresh `spawn`ed interpreter: no forked torch threads) loads the model once with the sweep's
+loading options and its share of the CPU threads, then runs one run at a time with `Sweep.run`, so a run checkpoints,
+resumes and writes its result file exactly as it would alone (results equal a sequential sweep, tested). A signal to the
+parent (SIGINT, SIGTERM) is passed on: every worker checkpoints after its current chunk and stops; the parent then
+raises `Interrupted` and the same command with --resume continues every run where it stopped.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from .sweep import run_share, write_reports
 def auto_workers(runs: int, model, *, cores: int | None = None, available: int | None = None) -> int:
     """Workers for `--workers auto`: on a CPU, one per core, at most one per run and as many as the available memory
     holds a model's copy (its parameters twice over plus 512 MiB of working memory each); elsewhere 1. One thread per
-    worker because a second thread speeds up the cache's many small operations little (eval/results/speed/: the
-    1- and 2-thread rows of the same runs), while a second worker doubles them."""
+    worker: the cache's many small operations gain little from a second thread (eval/results/speed/: the 1- and
+    2-thread rows of the same runs), while a second worker runs a second run beside the first."""
     if model.device.type != "cpu" or runs <= 1:
         return 1
     cores = cores or os.cpu_count() or 1
