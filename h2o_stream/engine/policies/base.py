@@ -19,7 +19,7 @@ tests' oracle): whether layers carry scores and of what shape, how a step's atte
 decision inside a chunk (`band`), the compiled loop's rule (`drop_one`), and whether cuts nest (`cuts_nest`); the
 ranking object answers what depends on the ranking. A policy whose cut no ranking says overrides `keep` (ranking
 None); it then runs on the tensor operations only.
-The declaration is checked when its class is defined (validation.py); the scores' arithmetic is in score_updates.py.
+The declaration is checked when its class is defined (validation.py); the scores' arithmetic is in scoring.py.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ if TYPE_CHECKING:  # torch is imported where it is used: the registry loads with
 
 from h2o_stream.errors import H2OStreamError
 
-from . import score_updates
 from .declarations import (
     HEAVY,
     RECENT,
@@ -134,8 +133,8 @@ class EvictionPolicy:
             raise H2OStreamError(f"{cls.__qualname__} ranks nothing (ranking None) and needs a `keep` of its own")
         check_declaration(cls)  # the rest of the declaration (validation.py)
         cls.needs_scores = cls.scoring is not None
-        cls.score_queries = "last" if cls.needs_scores and cls.scoring.accumulate == "latest" else "all"
-        cls.score_squares = cls.needs_scores and cls.scoring.accumulate == "moments"
+        cls.score_queries = "last" if cls.needs_scores and cls.scoring.rule.last_query_only else "all"
+        cls.score_squares = cls.needs_scores and cls.scoring.rule.squares
         ranking = cls.ranking
         cls.needs_keys = ranking is not None and ranking.needs_keys
         cls.needs_values = ranking is not None and ranking.needs_values
@@ -244,7 +243,7 @@ class EvictionPolicy:
     @property
     def score_window(self) -> int:
         """The observation window of "window" scores (the last queries whose attention counts), else 0."""
-        if self.scoring is None or self.scoring.accumulate != "window":
+        if self.scoring is None or not self.scoring.rule.windowed:
             return 0
         return int(self._value_of(self.scoring.window))
 
@@ -258,7 +257,7 @@ class EvictionPolicy:
     @property
     def decay(self) -> float:
         """The factor old scores are multiplied by at each step (1 but for "decay" scores)."""
-        if self.scoring is None or self.scoring.accumulate != "decay":
+        if self.scoring is None or not self.scoring.rule.decays:
             return 1.0
         return float(self._value_of(self.scoring.decay))
 
@@ -287,13 +286,14 @@ class EvictionPolicy:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
         `received` as `score_heads` and `score_queries` say (weighted by `query_weights`); `steps` is the number of
         queries (tokens) in the forward. Called only with `needs_scores`."""
-        score_updates.update_scores(self, scores, received, steps)
+        assert self.scoring is not None, "a policy without scores has none to update"
+        self.scoring.rule.update(self, scores, received, steps)
 
     def query_weights(self, length: int) -> torch.Tensor | None:
         """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). Scores
         that decay weigh query i by the decay of the steps after it, so that a chunk leaves the scores its steps
         would: decay ** (length - 1 - i)."""
-        return score_updates.query_weights(self, length)
+        return None if self.scoring is None else self.scoring.rule.query_weights(self, length)
 
     # -- cuts ---------------------------------------------------------------------------------------------------
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor | int) -> torch.Tensor:

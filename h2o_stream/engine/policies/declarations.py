@@ -12,6 +12,8 @@ from typing import Any, TypeVar
 
 from h2o_stream.errors import H2OStreamError
 
+from .scoring import ACCUMULATIONS, Accumulation
+
 
 @dataclass(frozen=True)
 class Part:
@@ -169,10 +171,6 @@ def _bound(value: float) -> str:
     return str(int(value)) if float(value).is_integer() else f"{value:g}"
 
 
-#: how attention becomes a score (`Scores.accumulate`)
-ACCUMULATORS = ("sum", "decay", "latest", "moments", "window")
-
-
 @dataclass(frozen=True)
 class Scores:
     """How the attention an entry receives becomes its score (a policy with `scoring = Scores(...)`; one without keeps
@@ -208,16 +206,16 @@ class Scores:
     gumbel: bool = False
 
     def __post_init__(self):
-        if self.accumulate not in ACCUMULATORS:
-            raise H2OStreamError(f"scores accumulate by one of {', '.join(ACCUMULATORS)}, not {self.accumulate!r}")
-        if self.accumulate in ("moments", "window") and self.heads != "kv":
-            raise H2OStreamError(
-                f"{self.accumulate} scores (sums of squares, per-query windows) need per-KV-head scores (heads='kv')"
-            )
-        if self.accumulate == "window" and not self.window:
-            raise H2OStreamError("window scores need the window's length (a number or a setting's name)")
-        if self.quantile and (self.accumulate != "window" or self.gumbel):
-            raise H2OStreamError("counts above a quantile are window scores of the model's own attention")
+        if self.accumulate not in ACCUMULATIONS:
+            raise H2OStreamError(f"scores accumulate by one of {', '.join(ACCUMULATIONS)}, not {self.accumulate!r}")
+        refusal = self.rule.refusal(self)
+        if refusal is not None:
+            raise H2OStreamError(refusal)
+
+    @property
+    def rule(self) -> Accumulation:
+        """The accumulation `accumulate` names (scoring.py): what the engine asks."""
+        return ACCUMULATIONS[self.accumulate]
 
 
 @dataclass(frozen=True)

@@ -143,7 +143,7 @@ class Mean(Ranking):
     name = "mean"
 
     def refusal(self, cls):
-        if cls.scoring is not None and cls.scoring.accumulate != "moments":
+        if cls.scoring is not None and not cls.scoring.rule.squares:
             return "ranks by the mean and needs Scores('moments')"
         return super().refusal(cls)
 

@@ -58,7 +58,7 @@ def check_declaration(cls) -> None:
         raise H2OStreamError(f"{cls.__qualname__}.eviction must be one of {', '.join(EVICTIONS)}")
     if cls.eviction == "merge" and (
         cls.scoring is None
-        or cls.scoring.accumulate != "latest"
+        or not cls.scoring.rule.last_query_only
         or cls.scoring.heads != "kv"
         or not set(MERGE_SETTINGS) <= set(cls.option_names())
     ):
