@@ -1,8 +1,9 @@
 """`python -m eval SUITE [PART] [options]`, from the repository's root: the benchmark suites and the renderer.
 
-Each suite lives in its own module, imported only when its command runs (most import torch and h2o-stream, which
-take seconds; `render` reads JSON files only). docs/benchmarks.md says what each part measures, its command, how long
-it takes and where it writes.
+Each suite lives in its own package (eval/speed/, eval/needle/, ...), its command imported only when it runs (most
+import torch and h2o-stream, which take seconds; `render` reads JSON files only); what the suites share, and the
+renderer of the results page, sit at eval/'s top level. docs/benchmarks.md says what each part measures, its
+command, how long it takes and where it writes.
 """
 
 from __future__ import annotations
@@ -17,21 +18,21 @@ from h2o_stream.errors import H2OStreamError
 
 #: suite name -> "module:click command" (a new suite registers here)
 SUITES = {
-    "speed": "eval.speed:speed",
-    "quality": "eval.quality:quality",
-    "leaderboard": "eval.long_runs:leaderboard",
-    "long": "eval.long_runs:long",
-    "needle": "eval.needle:needle",
-    "soak": "eval.soak:soak",
-    "device": "eval.device_check:main",
+    "speed": "eval.speed.run:speed",
+    "quality": "eval.quality.run:quality",
+    "leaderboard": "eval.long.runs:leaderboard",
+    "long": "eval.long.runs:long",
+    "needle": "eval.needle.run:needle",
+    "soak": "eval.soak.run:soak",
+    "device": "eval.device.check:main",
     "render": "eval.render:render",
-    "serve": "eval.serve_load:serve",
-    "attention": "eval.attention:attention",
-    "seam": "eval.seam:seam",
-    "split": "eval.split:split",
-    "profile": "eval.fair_profile:profile",
-    "coverage": "eval.coverage_report:coverage",
-    "calibration": "eval.calibration:calibration",
+    "serve": "eval.serve.run:serve",
+    "attention": "eval.attention.run:attention",
+    "seam": "eval.seam.run:seam",
+    "split": "eval.split.run:split",
+    "profile": "eval.speed.profile:profile",
+    "coverage": "eval.coverage.report:coverage",
+    "calibration": "eval.calibration.run:calibration",
 }
 SUMMARIES = {
     "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",

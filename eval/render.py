@@ -14,11 +14,11 @@ from pathlib import Path
 
 import click
 
-from eval.boards import board_table, boards, long_table, model_of, ranking_holds, verdict
-from eval.coverage_report import percent as coverage_percent
+from eval.coverage.report import percent as coverage_percent
+from eval.long.boards import board_table, boards, long_table, model_of, ranking_holds, verdict
 from eval.page import RenderError, Results, num, pct, source, table, unexpected
 from eval.results_page import PAGE, results_page
-from eval.speed_page import decode_files
+from eval.speed.section import decode_files
 from eval.verdicts import long_by_model, target
 
 README = Path("README.md")

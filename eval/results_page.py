@@ -1,21 +1,21 @@
 """docs/results.md, every current result in full, from eval/results/**/*.json only (`python -m eval render`): its
 frame and its sections in order. A suite's own section lives beside it where the suite's module reads no model
-(eval/boards.py, eval/speed_page.py, eval/attention.py, ...); the small ones are here.
+(eval/long/boards.py, eval/speed/section.py, eval/attention/run.py, ...); the small ones are here.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eval.attention import models_section
-from eval.boards import leaderboard_section, long_section
-from eval.calibration import calibration_section
-from eval.fair_profile import profile_section
+from eval.attention.run import models_section
+from eval.calibration.run import calibration_section
+from eval.long.boards import leaderboard_section, long_section
 from eval.page import Results, num, pct, source, table, unexpected, versions
-from eval.seam import seam_section
-from eval.serve_load import serve_section
-from eval.speed_page import speed_section
-from eval.split import split_section
+from eval.seam.run import seam_section
+from eval.serve.run import serve_section
+from eval.speed.profile import profile_section
+from eval.speed.section import speed_section
+from eval.split.run import split_section
 
 PAGE = Path("docs/results.md")
 HEADER = (

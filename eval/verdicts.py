@@ -3,7 +3,7 @@ policy meets the target of beating sinks, with the attention measurements that b
 
 from __future__ import annotations
 
-from eval.boards import boards, model_of
+from eval.long.boards import boards, model_of
 from eval.page import Results, num, pct, source
 
 #: the 1M-token fair-chunk runs, one folder per model (each has sink and others at cache 256)

@@ -19,7 +19,7 @@ import openai
 import pytest
 
 from eval.common import BadInput
-from eval.serve_load import start_server
+from eval.serve.run import start_server
 from h2o_stream import make_policy
 from h2o_stream.apps.chat import ChatSession, chat_sampling
 from h2o_stream.apps.serve import Limits, ServeSettings, Service

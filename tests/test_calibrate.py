@@ -125,7 +125,7 @@ def test_the_leaderboard_runs_head_hybrid_only_when_named():
 def test_eval_calibration_runs_what_is_missing_and_draws_the_committed_files(tmp_path, monkeypatch, capsys):
     import shutil
 
-    import eval.calibration as suite
+    import eval.calibration.run as suite
     from eval.__main__ import main as eval_main
 
     committed = Path(__file__).resolve().parents[1] / suite.OUT  # (tests run in a temporary directory)

@@ -12,7 +12,7 @@ import pytest
 import h2o_stream.errors
 import h2o_stream.version
 from eval.__main__ import main
-from eval.coverage_report import package_of, per_package, percent
+from eval.coverage.report import package_of, per_package, percent
 
 ERRORS, VERSION = Path(h2o_stream.errors.__file__), Path(h2o_stream.version.__file__)
 

@@ -142,7 +142,7 @@ def test_profile_splits_what_fair_chunks_add_to_their_twin_by_operator(tiny, tmp
 
 def test_the_twin_of_a_sliding_window_model_keeps_its_window_and_crops(tmp_path):
     # Gemma 3's sliding layers trim themselves in transformers' cache unless told to keep what `crop` takes back
-    from eval.speed_fair import twin_caches, twin_prefix
+    from eval.speed.fair import twin_caches, twin_prefix
     from h2o_stream import make_policy
     from tiny_models import WINDOW, tiny_model
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from eval.__main__ import main
-from eval.split import SHARES
+from eval.split.run import SHARES
 from ppl_helpers import ppl, result, write_corpus
 
 TINY_RUN = ("--cache-size", 256, "--threads", 1, "--workers", 1, "--tokens", 700)

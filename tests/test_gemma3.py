@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from eval.common import corpus_tokens
-from eval.quality import EQUIVALENCE_TARGET, equivalence_measures
+from eval.quality.run import EQUIVALENCE_TARGET, equivalence_measures
 from h2o_stream.loading.models import load_model
 
 pytestmark = [pytest.mark.slow, pytest.mark.gemma]  # only with --gemma (see conftest.py)

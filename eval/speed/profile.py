@@ -56,7 +56,7 @@ def profile(policies, cache_size, rounds, round_tokens, threads, data, model_spe
 
     setup(threads)
     loaded = load_model(model_spec)
-    from eval.speed_fair import twin_prefix
+    from eval.speed.fair import twin_prefix
 
     prefix = twin_prefix(loaded.model, make_policy("sink", cache_size))
     stream = corpus_tokens(loaded.tokenizer, prefix + rounds * round_tokens, data)
@@ -87,7 +87,7 @@ def profile_row(model, policy, stream, rounds: int, tokens: int) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as profiler
 
-    from eval.speed_fair import twin_caches, twin_prefix  # torch, transformers: not imported to render the page
+    from eval.speed.fair import twin_caches, twin_prefix  # torch, transformers: not imported to render the page
 
     caches, chunk, held = twin_caches(model, policy, stream)
     timed = stream[twin_prefix(model, policy) :]

@@ -37,8 +37,8 @@ from eval.common import (
     time_chunks,
     write_result,
 )
-from eval.speed_fair import fair
-from eval.speed_startup import startup
+from eval.speed.fair import fair
+from eval.speed.startup import startup
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import default_chunk_size
 

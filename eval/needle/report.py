@@ -1,5 +1,5 @@
 """Passkey results as people read them: each variant's accuracy per (length, depth) cell, as a text table and as
-heat maps (eval/needle.py writes both with every result)."""
+heat maps (eval/needle/run.py writes both with every result)."""
 
 from __future__ import annotations
 

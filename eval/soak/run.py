@@ -1,4 +1,4 @@
-"""Soak: long chats and generated text, on the default model (the part `defaults` is in eval/soak_defaults.py).
+"""Soak: long chats and generated text, on the default model (the part `defaults` is in eval/soak/defaults.py).
 
 chat: `ChatSession` over hundreds of turns in one session, memory and speed sampled after every turn. The claim under
 test: with a fixed-size cache the chat's memory never grows and its speed does not degrade, however long the
@@ -29,7 +29,7 @@ from eval.common import (
     save_figure,
     write_result,
 )
-from eval.soak_defaults import defaults
+from eval.soak.defaults import defaults
 from h2o_stream.apps.chat import CHAT_SAMPLING, ChatSession
 from h2o_stream.generation import Sampling
 from h2o_stream.loading.corpus import describe_source, iter_books

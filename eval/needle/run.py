@@ -45,7 +45,7 @@ from eval.common import (
     retrieval_heads_option,
     suite_policy,
 )
-from eval.needle_report import accuracy_grid, heatmap, table
+from eval.needle.report import accuracy_grid, heatmap, table
 from h2o_stream import StreamingCache, make_policy
 from h2o_stream.apps.perplexity.stream import default_span
 from h2o_stream.apps.summarize import build_prompt, encode

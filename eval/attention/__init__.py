@@ -1,0 +1,1 @@
+"""`python -m eval attention`: where each layer's queries put their attention, on the model alone."""

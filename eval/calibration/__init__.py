@@ -1,0 +1,1 @@
+"""`python -m eval calibration`: head_hybrid's head classifications per model and cache size."""

@@ -1,0 +1,1 @@
+"""`python -m eval quality`: fair chunks against exact mode, and a real model streamed against its own forward."""

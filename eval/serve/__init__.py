@@ -1,0 +1,1 @@
+"""`python -m eval serve`: `h2o-stream serve` under load."""

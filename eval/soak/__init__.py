@@ -1,0 +1,1 @@
+"""`python -m eval soak`: long chats (chat) and generated text (defaults)."""
