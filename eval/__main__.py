@@ -10,46 +10,78 @@ from __future__ import annotations
 
 import importlib
 import sys
+from dataclasses import dataclass
 
 import click
 
 from eval.common import BadInput, invoked_with
 from h2o_stream.errors import H2OStreamError
 
-#: suite name -> "module:click command" (a new suite registers here)
+
+@dataclass(frozen=True)
+class Suite:
+    """A suite's click command, as "module:attribute" (imported when it runs), and its one-line summary."""
+
+    command: str
+    summary: str
+
+
+#: suite name -> its command and summary (a new suite registers here)
 SUITES = {
-    "speed": "eval.speed.run:speed",
-    "quality": "eval.quality.run:quality",
-    "leaderboard": "eval.long.runs:leaderboard",
-    "long": "eval.long.runs:long",
-    "needle": "eval.needle.run:needle",
-    "soak": "eval.soak.run:soak",
-    "device": "eval.device.check:main",
-    "render": "eval.render:render",
-    "serve": "eval.serve.run:serve",
-    "attention": "eval.attention.run:attention",
-    "seam": "eval.seam.run:seam",
-    "split": "eval.split.run:split",
-    "profile": "eval.speed.profile:profile",
-    "coverage": "eval.coverage.report:coverage",
-    "calibration": "eval.calibration.run:calibration",
-}
-SUMMARIES = {
-    "speed": "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
-    "quality": "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence).",
-    "leaderboard": "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
-    "long": "The long fair-chunk runs and their report (parts: fair, fair_gemma3, 4m, report).",
-    "needle": "Passkey retrieval through the cache, every policy.",
-    "soak": "Long chats and generated text (parts: chat, defaults).",
-    "serve": "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
-    "attention": "Attention mass on sinks, the recent window and older keys, per layer, per model.",
-    "seam": "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
-    "split": "The heavy-hitter share of h2o and h2o_sinks, chosen on some books, reported on others.",
-    "profile": "Where fair chunks spend the time their raw twin does not, operator by operator (torch profiler).",
-    "calibration": "head_hybrid's head classifications per model and cache size (parts: run, figure).",
-    "device": "Accelerator check: correctness of every policy on the device, then timings.",
-    "render": "docs/results.md and the marked blocks of README.md and docs/ from eval/results/**/*.json.",
-    "coverage": "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",
+    "speed": Suite(
+        "eval.speed.run:speed",
+        "Ours against the raw twin in alternating rounds (parts: decode, scan, fair, rows, startup).",
+    ),
+    "quality": Suite(
+        "eval.quality.run:quality",
+        "Fair chunks vs exact mode: the perplexity gap (parts: gap, runs, equivalence).",
+    ),
+    "leaderboard": Suite(
+        "eval.long.runs:leaderboard",
+        "Every policy at cache 128, 256 and 512 over one stream (h2o-stream leaderboard).",
+    ),
+    "long": Suite(
+        "eval.long.runs:long",
+        "The long fair-chunk runs and their report (parts: fair, fair_gemma3, 4m, report).",
+    ),
+    "needle": Suite("eval.needle.run:needle", "Passkey retrieval through the cache, every policy."),
+    "soak": Suite("eval.soak.run:soak", "Long chats and generated text (parts: chat, defaults)."),
+    "device": Suite(
+        "eval.device.check:main",
+        "Accelerator check: correctness of every policy on the device, then timings.",
+    ),
+    "render": Suite(
+        "eval.render:render",
+        "docs/results.md and the marked blocks of README.md and docs/ from eval/results/**/*.json.",
+    ),
+    "serve": Suite(
+        "eval.serve.run:serve",
+        "h2o-stream serve under load: 16 conversations x 20 turns, TTFT, tokens/s, RSS.",
+    ),
+    "attention": Suite(
+        "eval.attention.run:attention",
+        "Attention mass on sinks, the recent window and older keys, per layer, per model.",
+    ),
+    "seam": Suite(
+        "eval.seam.run:seam",
+        "Every policy's per-token NLLs in every path, recorded and compared (parts: record, compare).",
+    ),
+    "split": Suite(
+        "eval.split.run:split",
+        "The heavy-hitter share of h2o and h2o_sinks, chosen on some books, reported on others.",
+    ),
+    "profile": Suite(
+        "eval.speed.profile:profile",
+        "Where fair chunks spend the time their raw twin does not, operator by operator (torch profiler).",
+    ),
+    "coverage": Suite(
+        "eval.coverage.report:coverage",
+        "The test suite's coverage of h2o_stream per package, from a measured run (.ci/run).",
+    ),
+    "calibration": Suite(
+        "eval.calibration.run:calibration",
+        "head_hybrid's head classifications per model and cache size (parts: run, figure).",
+    ),
 }
 
 
@@ -62,15 +94,15 @@ class Suites(click.Group):
     def get_command(self, ctx, name):
         if name not in SUITES:
             return None
-        module, attribute = SUITES[name].split(":")
+        module, attribute = SUITES[name].command.split(":")
         command = getattr(importlib.import_module(module), attribute)
-        command.short_help = SUMMARIES.get(name)
+        command.short_help = SUITES[name].summary
         return command
 
     def format_commands(self, ctx, formatter):
         """The suites' one-line summaries without importing them."""
         with formatter.section("Suites"):
-            formatter.write_dl([(name, SUMMARIES.get(name, "")) for name in SUITES])
+            formatter.write_dl([(name, suite.summary) for name, suite in SUITES.items()])
 
 
 @click.group(cls=Suites, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 120})

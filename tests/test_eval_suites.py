@@ -1,6 +1,6 @@
 """The eval suites (`python -m eval ...`) other than speed (test_eval_speed.py): quality and long regenerate their
 committed numbers from the committed runs; needle, soak, serve and attention keep their schemas; no result records
-an absolute path; a bad input is one error line."""
+an absolute path; a bad input is one error line; every registered suite is a command, listed with its summary."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ import shutil
 import subprocess
 import sys
 
+import click
 import pytest
 
-from eval.__main__ import main
+from eval.__main__ import SUITES, cli, main
 from eval.common import CORPUS, corpus_record, scrub_command
 from eval_results import ABSOLUTE, REPO, RESULTS, RUN_FILES, committed, shape, strings, suite, written_json
 
@@ -212,6 +213,19 @@ def test_device_check_runs_as_a_script():
     done = subprocess.run([sys.executable, "eval/device/check.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--device" in done.stdout
+
+
+def test_every_registered_suite_is_a_command_listed_with_its_summary(capsys):
+    for name, registered in SUITES.items():
+        command = cli.get_command(click.Context(cli), name)
+        assert isinstance(command, click.Command), name
+        assert command.short_help == registered.summary
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    listed = capsys.readouterr().out
+    for name, registered in SUITES.items():
+        assert re.search(rf"^  {name} +{re.escape(registered.summary[:40])}", listed, re.M), name
 
 
 def test_a_bad_input_is_one_error_line_and_exit_status_2(tmp_path, capsys):
