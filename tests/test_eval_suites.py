@@ -210,7 +210,7 @@ def test_a_command_line_records_the_corpus_by_name_and_paths_relative(tmp_path):
 
 
 def test_device_check_runs_as_a_script():
-    done = subprocess.run([sys.executable, "eval/device/check.py", "--help"], cwd=REPO, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "eval/device_check.py", "--help"], cwd=REPO, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "--device" in done.stdout
 

@@ -1,1 +1,1 @@
-"""`python -m eval device` (or `python eval/device/check.py`): the accelerator check."""
+"""`python -m eval device` (or `python eval/device_check.py`): the accelerator check."""

@@ -12,7 +12,7 @@ The device machine reaches no network, so the default model cannot be fetched th
    against each cache alone (1e-3), then the SmolLM2-shaped model's sweep tokens/s as 4 rows against the 4 runs one
    after another (scanned forwards of 256, each policy's default chunk), per dtype.
 
-    python eval/device/check.py --device cuda --out $OUT/device_check.json     # on the device machine
+    python eval/device_check.py --device cuda --out $OUT/device_check.json     # on the device machine
     python -m eval device --device cpu --timed-tokens 256 --out device_check.json   # a dry run on a CPU
 
 It imports nothing from the other suites, so that it runs as a script as well as `python -m eval device`.
@@ -238,7 +238,7 @@ def rows_timings(device, dtype, tokens: int, cache_size: int = 256, span: int = 
 def environment() -> dict:
     """Versions, threads, machine and the command line (absolute paths made relative to the current directory)."""
     words = [os.path.relpath(w) if os.path.isabs(w) else w for w in sys.argv[1:]]
-    script = "python -m eval" if sys.argv[0].endswith("__main__.py") else "python eval/device/check.py"
+    script = "python -m eval" if sys.argv[0].endswith("__main__.py") else f"python {os.path.relpath(sys.argv[0])}"
     return {
         "torch": torch.__version__,
         "transformers": transformers.__version__,
