@@ -12,6 +12,7 @@ from h2o_stream import StreamingCache, make_policy
 from h2o_stream.engine import RowsCache, StreamingLayer
 from h2o_stream.engine import compiled as compiled_module
 from h2o_stream.engine.hooks import Extras, _layer_attention
+from h2o_stream.engine.plan import LayerPlan
 from h2o_stream.engine.policies.h2o import H2OPolicy
 from h2o_stream.rope_rolling import RopeRoller
 from oracle import run_against_oracle
@@ -207,7 +208,7 @@ def test_ties_and_steps_at_the_layer_go_as_on_the_tensor_operations(variant, que
     for t in range(steps):
         outputs = []
         for layer, compiled in zip(layers, (True, False), strict=True):
-            layer.scan, layer.compiled = [1], compiled
+            layer.begin(LayerPlan(1, (1,), compiled=compiled))
             key, value = layer.update(keys[:, :, t : t + 1], values[:, :, t : t + 1])
             outputs.append(streaming_attention_of(layer, query[:, :, t : t + 1], key, value))
         mine, theirs = layers

@@ -14,6 +14,7 @@ import torch
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
 from h2o_stream.engine import hooks
 from h2o_stream.engine.layer_types import layer_windows
+from h2o_stream.engine.plan import LayerPlan
 from h2o_stream.engine.policies import POLICIES
 from policy_matrix import ALL, build
 from tiny_models import HYBRID_FAMILIES, WINDOW, random_ids, tiny_model
@@ -109,12 +110,12 @@ def test_keys_moved_to_a_sliding_layers_slots_do_not_drift_over_long_rolling():
     value = torch.zeros(1, heads, 1, 4, dtype=torch.float64)
     for t in range(steps):
         given = int(torch.randint(0, 17, (1,), generator=generator))  # where the global layer's slots put it
-        layer.moved = (range(given, given + 1), range(layer.slots, layer.slots + 1))
+        layer.begin(LayerPlan(1, moved=(range(given, given + 1), range(layer.slots, layer.slots + 1))))
         keys_in_use, _ = layer.update(roller.rotate(raw_keys[t].view(1, heads, 1, dim), given, given + 1), value)
         # random attention makes survivors (and so every key's slot) jump around, as H2O does
         layer.after_attention(torch.rand(1, heads, keys_in_use.shape[-2], generator=generator, dtype=torch.float64))
     assert layer.slots == 6 and layer.positions.min() < steps // 2  # old heavy hitters, renumbered many times
-    layer.moved = None
+    layer.begin(LayerPlan(1))
     keys, _ = layer.update(roller.rotate(raw_keys[0].view(1, heads, 1, dim), 6, 7), value)
     for slot, position in enumerate(layer.positions[0, 0].tolist()[:-1]):
         fresh = roller.rotate(raw_keys[position, 0].view(1, 1, 1, dim), slot, slot + 1)[0, 0, 0]

@@ -108,7 +108,7 @@ def test_the_scan_is_really_taken_and_band_policies_skip_it(monkeypatch):
 
     calls = []
     scan = hooks._scan
-    monkeypatch.setattr(hooks, "_scan", lambda layer, *a: calls.append(list(layer.scan)) or scan(layer, *a))
+    monkeypatch.setattr(hooks, "_scan", lambda layer, *a: calls.append(list(layer.plan.blocks)) or scan(layer, *a))
     model = tiny_model("llama")
     ids = random_ids(20)
     model(ids, cache=StreamingCache(model, build("h2o", 8), decide_every=4))

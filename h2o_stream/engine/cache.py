@@ -47,6 +47,7 @@ from .checks import (
 from .hooks import active_cache, attach
 from .layer import StreamingLayer, compiled_loop
 from .layer_types import layer_policies, layer_windows, token_slots
+from .plan import ForwardPlan, LayerPlan, Slots
 from .policies import EvictionPolicy
 
 #: the chunk size for policies whose chunked mode equals exact mode at any chunk (band policies, the full cache)
@@ -233,9 +234,9 @@ class StreamingCache(Cache):
         model=None,
         position_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
-    ) -> tuple[list[int] | None, int, list[int] | None]:
+    ) -> ForwardPlan:
         """Refuse (H2OStreamError) a forward this cache cannot take, changing nothing; `begin_forward`'s arguments.
-        Returns its plan for `start_forward`: (its scan blocks, its first position, every token's slot or None).
+        Returns its plan for `start_forward` (engine/plan.py): the positions the model gets, each layer's part.
 
         Misuse is one clear error before the model runs, with the cache untouched, instead of a reshape error or
         silently wrong numbers."""
@@ -251,7 +252,8 @@ class StreamingCache(Cache):
         _check_token_ids(self.policy, inputs)
         start, slots = self._slots_of(length, blocks)
         _check_slots(start, slots, length, rolling=self.rolling, context=self.context)
-        return blocks, start, slots
+        given = range(start, start + length) if slots is None else tuple(slots)  # the positions the model gets
+        return ForwardPlan(given, self._layer_plans(inputs, blocks, given))
 
     def begin_forward(
         self,
@@ -270,39 +272,46 @@ class StreamingCache(Cache):
         plan = self.check_forward(inputs, model=model, position_ids=position_ids, attention_mask=attention_mask)
         return self.start_forward(inputs, plan)
 
-    def start_forward(
-        self, inputs: torch.Tensor, plan: tuple[list[int] | None, int, list[int] | None]
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """`begin_forward` after its checks: set the layers up for the forward `check_forward` planned. Returns the
-        position ids and the mask to give transformers (each layer makes its own mask; see hooks.py)."""
+    def start_forward(self, inputs: torch.Tensor, plan: ForwardPlan) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`begin_forward` after its checks: hand each layer its part of the forward `check_forward` planned
+        (`StreamingLayer.begin`). Returns the position ids and the mask to give transformers (each layer makes its
+        own mask; see hooks.py)."""
+        for layer, layer_plan in zip(self.layers, plan.layers, strict=True):
+            layer.begin(layer_plan)
+        positions = torch.tensor(plan.positions, device=inputs.device).unsqueeze(0)
+        return positions, self.transformers_mask(inputs.shape[1], inputs.device)
+
+    def _layer_plans(self, inputs: torch.Tensor, blocks: list[int] | None, given: Slots) -> tuple[LayerPlan, ...]:
+        """Each layer's part of a forward of `inputs` scanned in `blocks` (or None), the model given the positions
+        `given`: its blocks (a band policy decides once, unless it takes exact mode's compiled steps), whether it is
+        fair, compiled, and moved to its own slots (a rolling layer whose policy is not the lead layer's)."""
         length = inputs.shape[1]
-        blocks, start, slots = plan
-        given = range(start, start + length) if slots is None else tuple(slots)  # the positions the model gets
         one_token_steps = self._compiles(length, blocks)
-        own: dict[int, range | tuple[int, ...]] = {}  # slots of the tokens, per layer policy
+        own: dict[int, Slots] = {}  # slots of the tokens, per layer policy
+        plans = []
         for i, layer in enumerate(self.layers):
             policy = layer.policy
-            if policy.needs_tokens:
-                layer.pending_tokens = inputs
             compiled = one_token_steps and layer.drop_rule is not None
             layer_blocks = blocks if policy.band() is None or (compiled and blocks) else None
             if compiled:
                 layer_blocks = layer_blocks or [1] * length  # one-token steps: a scan of one-token blocks
-            if self._fair[i] and layer.slots and layer_blocks is None:
-                layer.make_room(length)
-            layer.scan, layer.scan_fair, layer.compiled = layer_blocks, self._fair[i], compiled
-            layer.moved = None
+            moved = None
             if self.rolling and layer.roller is not None and policy is not self._lead_policy:
-                if id(policy) not in own:
-                    own[id(policy)] = (
-                        token_slots(policy.budget, layer.slots, self._fair[i], length, layer_blocks)
-                        if layer_blocks is not None
-                        else range(layer.slots, layer.slots + length)
-                    )
+                if id(policy) not in own:  # where the tokens go after the fair cut `begin` makes first
+                    own[id(policy)] = token_slots(policy.budget, layer.slots, self._fair[i], length, layer_blocks)
                 if own[id(policy)] != given:
-                    layer.moved = (given, own[id(policy)])
-        positions = torch.tensor(given, device=inputs.device).unsqueeze(0)
-        return positions, self.transformers_mask(length, inputs.device)
+                    moved = (given, own[id(policy)])
+            plans.append(
+                LayerPlan(
+                    length,
+                    None if layer_blocks is None else tuple(layer_blocks),
+                    fair=self._fair[i],
+                    compiled=compiled,
+                    moved=moved,
+                    tokens=inputs if policy.needs_tokens else None,
+                )
+            )
+        return tuple(plans)
 
     @property
     def _lead_policy(self) -> EvictionPolicy:

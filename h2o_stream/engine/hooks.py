@@ -107,8 +107,8 @@ def _layer_attention(layer, query, key, value, scaling, extras: Extras):
     """Attention of `query` over one StreamingLayer (a scan block by block, the fused sink path where it applies),
     with the layer's own mask (its band, or causal) and its queries at its own slots."""
     query = layer.move_query(query)
-    if layer.scan is not None:
-        return _scan(layer, query, scaling, extras)
+    if layer.plan.blocks is not None:
+        return _scan(layer, query, key, value, scaling, extras)
     mask = layer.mask(query.shape[-2], key.shape[-2] - query.shape[-2], query.device)
     sinks = (layer.policy.band() or (0, 0))[0]
     sink_query = sink_queries(layer.roller, query, key.shape[-2] - query.shape[-2], layer.policy.budget, sinks)
@@ -125,8 +125,9 @@ def _layer_attention(layer, query, key, value, scaling, extras: Extras):
     return _attend(layer, query, key, value, mask, scaling, extras, sink_query, sinks)
 
 
-def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=None, sinks=0):
-    """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention)."""
+def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=None, sinks=0, more_blocks=False):
+    """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention;
+    `more_blocks`: a block of a scan that is not its last)."""
     policy = layer.policy
     if (
         policy.score_queries == "last"
@@ -168,31 +169,29 @@ def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=
         received = None
     elif policy.score_heads == "layer":
         received = layer_mean(received, query.shape[1])
-    layer.after_attention(received, steps=query.shape[-2])
+    layer.after_attention(received, steps=query.shape[-2], more_blocks=more_blocks)
     return output
 
 
-def _scan(layer, query, scaling, extras: Extras):
-    """A scanned forward (`StreamingCache(decide_every=...)`): the queries block by block, each block's entries
-    appended after the previous block's cut, as if every block were its own forward."""
-    if layer.compiled and not extras.plain:
+def _scan(layer, query, keys, values, scaling, extras: Extras):
+    """A scanned forward (`StreamingCache(decide_every=...)`, or exact mode's one-token steps) over the forward's
+    `keys` and `values` (what the layer's `update` returned): the queries block by block (the layer's plan), each
+    block's entries appended after the previous block's cut, as if every block were its own forward."""
+    plan = layer.plan
+    if plan.compiled and not extras.plain:
         say_once("compiled exact-mode loop", extras.what)
-    elif layer.compiled and layer.roller is not None and layer.roller.pairs:
+    elif plan.compiled and layer.roller is not None and layer.roller.pairs:
         say_once("compiled exact-mode loop", "interleaved rotary pairs")
     elif layer.compiles(query):
-        try:
-            return layer.compiled_steps(query, scaling)
-        finally:
-            layer.close_scan()
+        return layer.compiled_steps(query, keys, values, scaling)
     outputs, start = [], 0
-    try:
-        for length in layer.scan:
-            key, value = layer.open_block(start, length)
-            mask = causal_additive_mask(length, key.shape[-2], query.device, query.dtype)
-            outputs.append(_attend(layer, query[..., start : start + length, :], key, value, mask, scaling, extras))
-            start += length
-    finally:
-        layer.close_scan()
+    for length in plan.blocks:
+        key, value = layer.open_block(keys, values, start, length)
+        mask = causal_additive_mask(length, key.shape[-2], query.device, query.dtype)
+        block = query[..., start : start + length, :]
+        more_blocks = start + length < keys.shape[-2]
+        outputs.append(_attend(layer, block, key, value, mask, scaling, extras, more_blocks=more_blocks))
+        start += length
     return torch.cat(outputs, dim=1)
 
 

@@ -5,8 +5,8 @@ Invariants:
   stream order for every head;
 - with rolling, `keys` are un-rotated and every head has the same n, so slot j is used at position j;
 - without rolling, `keys` stay as the model rotated them, at their true stream positions;
-- during a scanned forward (`scan` set), `update` only holds the forward's new entries; `open_block` appends them one
-  block at a time, each block after the previous one's cut, exactly as if each block were its own forward;
+- during a scanned forward (the plan's `blocks` set), `update` appends nothing: `open_block` appends the forward's new
+  entries one block at a time, each block after the previous one's cut, exactly as if each block were its own forward;
 - between forwards a layer holds at most budget entries, or budget + 1 with `cut_pending`: a fair chunk leaves its
   cut of that one entry to the cut before the next chunk (`make_room`), which then cuts once to where both would end
   (a policy whose cuts nest: one cut with the reduced policy; any other: `keep_twice`); `settle` makes the pending cut
@@ -23,11 +23,24 @@ from transformers.cache_utils import CacheLayerMixin
 from ..rope_rolling import RopeRoller
 from .attention import band_mask, causal_mask
 from .memo import ordinary, outside_inference_mode
+from .plan import LayerPlan
 from .policies import EvictionPolicy, score_updates
 from .switch import compiled_part
 
 
 class StreamingLayer(CacheLayerMixin):
+    """One model layer's entries, and its part of the forward now running (`plan`, a `LayerPlan` the cache made).
+
+    The calls of a forward, in order:
+    1. `begin(plan)` (the cache's `start_forward`, before the model runs): a fair chunk decided once makes room;
+    2. `update(keys, values)` (transformers, in the layer's attention): moves the keys to the layer's own slots
+       (`plan.moved`) and appends them, or in a scan returns them for the blocks;
+    3. the attention function (hooks.py), with what `update` returned: `move_query`, then either `mask` and one
+       attention, then `after_attention`; or, in a scan, per block `open_block` and `after_attention` (with
+       `more_blocks` until the last); or, for exact mode's one-token steps, `compiles` and then `compiled_steps`.
+    Between forwards: `settle`, `state`, `load_state`, `reset`.
+    """
+
     is_sliding = False
     is_croppable = False
 
@@ -39,23 +52,15 @@ class StreamingLayer(CacheLayerMixin):
         self.positions: torch.Tensor | None = None  # (batch, kv_heads, n) stream index of each slot
         self.scores: torch.Tensor | None = None  # (batch, kv_heads, n[, 2]) attention scores, if the policy uses them
         self.tokens: torch.Tensor | None = None  # (batch, kv_heads, n) token ids, if the policy reads them
-        self.pending_tokens: torch.Tensor | None = None  # (batch, C) ids of the forward now running (needs_tokens)
+        self.plan = LayerPlan(0)  # the forward now running (or last run); set by `begin` only
         self.seen = 0  # tokens this layer has been given
         self.evicted = 0  # entries cut, summed over heads
         self.max_keys = 0  # the most keys any query of this layer has seen
         self._rows_memo: dict[tuple[int, int, int], torch.Tensor] = {}
         self._offsets_memo: dict[tuple[int, int, int], torch.Tensor] = {}
         self._reduced: dict[int, EvictionPolicy] = {}  # the policy at smaller budgets, for fair chunks
-        self.scan: list[int] | None = None  # block sizes of the forward now running, when it decides per block
-        self.scan_fair = False  # whether each block of that forward first makes room (fair chunks)
-        self._incoming: tuple[torch.Tensor, torch.Tensor] | None = None  # that forward's keys/values, model-rotated
-        self._block_is_last = True  # whether the block now attending is the last of the scanned forward
-        self.compiled = False  # whether that forward's blocks are exact mode's steps for the compiled loop
         self._workspace = None  # the compiled loop's storage (engine/compiled.py); the layer's tensors view it
         self.drop_rule = policy.drop_one()  # how exact mode's one-entry cut is made, if the loop can make it
-        # (the positions the model rotated this forward's tokens at, this layer's own slots for them), when they
-        # differ: a layer running another policy than the lead layer's (a sliding window) has its own slots
-        self.moved: tuple[range | tuple[int, ...], range | tuple[int, ...]] | None = None
         # what a fair chunk's cut left room in (`make_room`): the per-slot tensors with `length` rows more, the layer's
         # own tensors viewing their first rows, for the chunk's append to fill in place instead of concatenating
         self._room: list[torch.Tensor | None] | None = None
@@ -83,27 +88,34 @@ class StreamingLayer(CacheLayerMixin):
         assert self.keys is not None and self.values is not None and self.positions is not None, "not initialized"
         return self.keys, self.values, self.positions
 
+    def begin(self, plan: LayerPlan) -> None:
+        """Take the plan of the forward about to run (the first call of a forward: see the class docstring); a fair
+        chunk decided once first makes room for its tokens (a scan makes room block by block: `open_block`)."""
+        if plan.fair and self.slots and plan.blocks is None:
+            self.make_room(plan.length)
+        self.plan = plan
+
     def update(self, key_states, value_states, *args, **kwargs):
         """Append C new entries (rotated by the model at slots n..n+C-1) and return what attention should use.
 
-        In a scanned forward the entries are only held here; the attention function appends them block by block
-        (`open_block`)."""
+        In a scanned forward nothing is appended here: it returns the forward's keys (at the layer's own slots) and
+        values, which the attention function appends block by block (`open_block`)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.moved is not None:
+        if self.plan.moved is not None:
             key_states = self._move(key_states)
-        if self.scan is not None:
-            self._incoming = (key_states, value_states)
+        if self.plan.blocks is not None:
             return key_states, value_states
-        return self._append(key_states, value_states, self.pending_tokens)
+        return self._append(key_states, value_states, self.plan.tokens)
 
     def move_query(self, query: torch.Tensor) -> torch.Tensor:
-        """The forward's queries at this layer's own slots (see `moved`), from where the model rotated them."""
-        return query if self.moved is None else self._move(query)
+        """The forward's queries at this layer's own slots (the plan's `moved`), from where the model rotated them."""
+        return query if self.plan.moved is None else self._move(query)
 
     def _move(self, x: torch.Tensor) -> torch.Tensor:
-        assert self.roller is not None and self.moved is not None  # the cache moves only a rolling layer (`moved`)
-        return self.roller.move(x, *self.moved)
+        moved = self.plan.moved
+        assert self.roller is not None and moved is not None  # the cache moves only a rolling layer (`moved`)
+        return self.roller.move(x, *moved)
 
     def mask(self, length: int, held: int, device) -> torch.Tensor | None:
         """The mask of a forward of `length` queries over `held` entries and themselves, bool, True = attend, or None
@@ -113,42 +125,34 @@ class StreamingLayer(CacheLayerMixin):
         band = self.policy.band()
         return causal_mask(length, held + length, device) if band is None else band_mask(*band, held, length, device)
 
-    def open_block(self, start: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """In a scanned forward: make room for the block of `length` entries at `start` of the forward (fair chunks),
-        append it and return the keys and values its queries attend to."""
-        if self.scan_fair and self.slots:
+    def open_block(
+        self, keys: torch.Tensor, values: torch.Tensor, start: int, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """In a scanned forward whose keys and values `update` returned: make room for the block of `length` entries
+        at `start` of the forward (fair chunks), append it and return the keys and values its queries attend to."""
+        if self.plan.fair and self.slots:
             self.make_room(length)
-        keys, values = self._scanned()
-        self._block_is_last = start + length == keys.shape[-2]
-        tokens = None if self.pending_tokens is None else self.pending_tokens[:, start : start + length]
+        tokens = None if self.plan.tokens is None else self.plan.tokens[:, start : start + length]
         block = slice(start, start + length)
         return self._append(keys[..., block, :], values[..., block, :], tokens)
 
-    def _scanned(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scanned forward's keys and values, held by `update`."""
-        assert self._incoming is not None, "no scanned forward is running"
-        return self._incoming
-
-    def close_scan(self) -> None:
-        self._incoming = None
-        self._block_is_last = True
-        self.compiled = False
-
     def compiles(self, query: torch.Tensor) -> bool:
         """Whether the scanned forward now running goes through the compiled loop (`compiled_steps`): its blocks are
-        one token each (set by the cache) and its attention fits the loop (CPU, float32/float64, a rotation of
+        one token each (the plan's `compiled`) and its attention fits the loop (CPU, float32/float64, a rotation of
         halves; the attention function checks the model's extras: soft-capping, sink logits)."""
         return (
-            self.compiled
+            self.plan.compiled
             and query.device.type == "cpu"
             and query.dtype in (torch.float32, torch.float64)
             and (self.roller is None or not self.roller.pairs)
         )
 
-    def compiled_steps(self, query: torch.Tensor, scaling: float) -> torch.Tensor:
-        """The scanned forward's one-token blocks in one compiled call (engine/compiled.py): the same appends,
-        attention, scores and cuts as taking them block by block. Returns the attention output (batch, L, q_heads,
-        dim)."""
+    def compiled_steps(
+        self, query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float
+    ) -> torch.Tensor:
+        """The scanned forward's one-token blocks (its keys and values as `update` returned them) in one compiled
+        call (engine/compiled.py): the same appends, attention, scores and cuts as taking them block by block.
+        Returns the attention output (batch, L, q_heads, dim)."""
         compiled = compiled_loop()
         self.settle()  # a fair chunk's pending cut: what the first block's make_room(1) would do
         budget = self.policy.budget
@@ -162,7 +166,6 @@ class StreamingLayer(CacheLayerMixin):
         if self.roller is not None:
             table = self.roller.table(budget + 1, self.device)
             tables = (table["cos"], table["sin_rh"], table["ucos"], table["usin_rh"])
-        keys, values = self._scanned()
         output, held, dropped, most = compiled.exact_steps(
             space,
             self.slots,
@@ -235,16 +238,17 @@ class StreamingLayer(CacheLayerMixin):
         queries = torch.arange(self.seen - length, self.seen, device=self.device)
         return score_updates.gumbel_draws(self.policy, self.index, queries, self._entries()[2], group, dtype)
 
-    def after_attention(self, received: torch.Tensor | None, steps: int = 1) -> None:
+    def after_attention(self, received: torch.Tensor | None, steps: int = 1, more_blocks: bool = False) -> None:
         """Fold the attention each entry just received (batch, kv_heads, n) from the forward's `steps` queries into
-        the scores (the policy's `update_scores`), then cut back to the budget."""
+        the scores (the policy's `update_scores`), then cut back to the budget. `more_blocks`: a block of a scanned
+        forward that is not its last."""
         if received is not None:
             assert self.scores is not None  # attention reports what entries received only to a policy with scores
             self.policy.update_scores(self.scores, received, steps=steps)
         budget = self.policy.budget
         if budget is None or self.slots <= budget:
             return
-        if self.scan_fair and (not self._block_is_last or (steps > 1 and self.slots == budget + 1)):
+        if self.plan.fair and (more_blocks or (steps > 1 and self.slots == budget + 1)):
             # The next block's (or fair chunk's) make_room cuts once, to where this cut and its own would end together:
             # one gather per tensor instead of two. Exact mode's steps cut at once (make_room(1) would not cut less).
             return
@@ -348,8 +352,9 @@ class StreamingLayer(CacheLayerMixin):
         return -1 if budget is None else budget
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.scores = self.tokens = self._incoming = self._room = None
+        self.keys = self.values = self.positions = self.scores = self.tokens = self._room = None
         self._workspace = None
+        self.plan = LayerPlan(0)
         self.is_initialized = False
         self.seen = self.evicted = self.max_keys = 0
 
