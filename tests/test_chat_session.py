@@ -58,7 +58,8 @@ def test_incremental_turns_give_the_reply_a_full_recompute_gives(tokenizer):
     assert len(third.token_ids) == len([t for t in expected if t not in fmt.stop_ids])
 
 
-@pytest.mark.parametrize("policy", ["h2o", "sink", "window"])
+# knorm and random are policies of one score() each
+@pytest.mark.parametrize("policy", ["h2o", "sink", "window", "knorm", "random"])
 def test_cache_never_exceeds_the_budget_across_many_turns(model, tokenizer, policy):
     budget = 24
     session = session_for(

@@ -57,6 +57,19 @@ def test_completions_streamed_and_not_give_the_same_reply(server, model, tokeniz
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == reply_of(response)
 
 
+@pytest.mark.parametrize("policy", ["knorm", "random"])
+def test_a_conversation_can_start_with_a_policy_of_one_score(server, policy):
+    """knorm and random are one score() each: the server runs them like any declared policy."""
+    response = server.client().chat.completions.create(
+        model=MODEL,
+        messages=conversation([], f"hello world with {policy}"),
+        extra_body={"policy": policy, "cache_size": 16},
+        **GREEDY,
+    )
+    info = extra(response)
+    assert reply_of(response) and info["policy"].startswith(f"{policy}(") and info["cache_budget"] == 16
+
+
 def test_max_tokens_stop_texts_and_sampling_fields_are_honoured(server):
     client = server.client()
     response = client.chat.completions.create(

@@ -31,7 +31,8 @@ def document():
 # --- single pass ---------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("policy", ["h2o", "sink", "window"])
+# knorm and random are policies of one score() each
+@pytest.mark.parametrize("policy", ["h2o", "sink", "window", "knorm", "random"])
 def test_single_pass_returns_text_exact_stats_and_stays_within_the_budget(model, tokenizer, document, policy):
     progress = []
     result, watch = run(model, tokenizer, document, policy=policy, on_progress=lambda d, t: progress.append((d, t)))
