@@ -65,7 +65,7 @@ def test_engine_agrees_with_oracle_on_streams_ten_times_the_budget(policy, kv_he
     # The test is only meaningful if, for policies that decide per KV head from scores or keys, heads chose
     # differently somewhere (one that decides per layer keeps the same entries in every head; one that ranks by
     # age and reads attention only to merge, cam, keeps the same entries everywhere).
-    per_head = (spec.needs_scores or spec.needs_keys) and spec.score_heads == "kv" and spec.ranking != "age"
+    per_head = (spec.needs_scores or spec.needs_keys) and spec.score_heads == "kv" and spec.ranking.ranks_entries
     if per_head and kv_heads > 1:
         kept = [tuple(layer.positions[0, h].tolist()) for layer in cache.layers for h in range(kv_heads)]
         assert len(set(kept)) > 1
