@@ -33,11 +33,13 @@ os.environ.update(TEST_SETTINGS)
 import pytest  # noqa: E402  (after the environment is cleaned)
 import torch  # noqa: E402
 
+# tests/ itself: the shared helpers are the package `support` (tests/support/), imported as `support.<module>` from
+# the test files in every subject's folder (engine/, policies/, apps/<app>/, cli/, models/, eval/)
 sys.path.insert(0, str(Path(__file__).parent))
 torch.set_num_threads(2)
 
-from model_files import write_tiny_gguf  # noqa: E402  (needs the path above)
-from tiny_models import bpe_tokenizer, save_tiny_model_dir, tiny_llama  # noqa: E402
+from support.model_files import write_tiny_gguf  # noqa: E402  (needs the path above)
+from support.tiny_models import bpe_tokenizer, save_tiny_model_dir, tiny_llama  # noqa: E402
 
 #: what the tiny BPE tokenizer is trained on unless a test module sets TRAINING_TEXTS
 DEFAULT_TRAINING_TEXTS = [

@@ -49,9 +49,9 @@ def test_the_tests_pass_offline_and_beside_an_earlier_runs_results(tmp_path):
     hub_home = tmp_path / "users-hf-home"
     hub_home.mkdir()
     selection = [
-        "test_perplexity.py::test_directory_without_usable_files",
-        "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_a_model",
-        "test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_the_corpus",
+        "apps/ppl/test_perplexity.py::test_directory_without_usable_files",
+        "apps/ppl/test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_a_model",
+        "apps/ppl/test_ppl_options.py::test_an_unreachable_hub_fails_fast_for_the_corpus",
         "test_hermetic.py::test_a_test_runs_in_an_empty_directory_of_its_own",
         "test_hermetic.py::test_a_test_runs_without_the_users_settings",
     ]
