@@ -3,7 +3,7 @@
 Commands are thin: they parse options, call the library (h2o_stream.apps) and print. Every H2OStreamError becomes one
 `Error: ...` line on stderr and exit status 2. A command's module is imported only when the command is asked for (or
 listed by the group's --help), and imports torch, transformers and the applications inside the command's body: help
-and usage errors answer without loading them (tests/test_cli_startup.py).
+and usage errors answer without loading them (tests/cli/test_cli_startup.py).
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ decayed or replaced; for roco with their squares) and, holding budget + 1, the l
 gap. Exact-mode `ppl` and decoding run several times faster so (eval/results/speed/).
 
 It runs on the CPU in float32 or float64 with gradients off; the same numbers as the tensor path up to float rounding
-(tested against it and against the oracle, tests/test_compiled.py). Numba compiles it on first use (a few seconds,
-then cached on disk); without numba, or with H2O_STREAM_COMPILED=0, exact mode runs on the tensor operations.
+(tested against it and against the oracle, tests/engine/test_compiled.py). Numba compiles it on first use (then
+cached on disk); without numba, or with H2O_STREAM_COMPILED=0, exact mode runs on the tensor operations.
 """
 
 from __future__ import annotations

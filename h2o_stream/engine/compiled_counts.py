@@ -11,8 +11,9 @@ at least its own key), and such floats order as their bit patterns do as integer
 index k is the largest pattern t with at most k patterns below it, found bit by bit from the top, each bit one
 branch-free count over the row (a sort or quickselect of the row branches on every comparison, and on fresh rows
 those branches mispredict). Every few bits the row is narrowed to the patterns that can still hold t. Same numbers as
-the tensor path (tests/test_scissorhands.py); CPU only, float32 or float64 probabilities. Numba compiles it on first
-use (cached on disk); without numba, or with H2O_STREAM_COMPILED=0, the tensor path runs (attention.window_counts).
+the tensor path (tests/policies/test_scissorhands.py); CPU only, float32 or float64 probabilities. Numba compiles it
+on first use (cached on disk); without numba, or with H2O_STREAM_COMPILED=0, the tensor path runs
+(attention.window_counts).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ scores into the second). A fair chunk's cut drops only a chunk's worth of entrie
 in order in one pass (`_mark_lowest`), one loop per KV head. The order is the tensor path's (highest first, ties to
 the older entry; NaN above everything, as torch sorts it), and the pooling adds the same scores in the same order
 and divides as `avg_pool1d` does (or takes the maximum, as `max_pool1d`), so the slots kept are the tensor path's
-(tests/test_snapkv.py, tests/test_cuts.py). CPU only. Numba compiles it on first use (cached on disk);
+(tests/policies/test_snapkv.py, tests/engine/test_cuts.py). CPU only. Numba compiles it on first use (cached on disk);
 without numba, or with H2O_STREAM_COMPILED=0, the tensor path runs.
 """
 

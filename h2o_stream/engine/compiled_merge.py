@@ -5,8 +5,8 @@ On tensors the merges are one linear map (a triangular solve for the evicted val
 then one product), a dozen small operations per layer and cut. Here one loop adds each merging entry's value, as it
 stands then, / span to the `span` entries after it, in slot order. The same merges; the sums are rounded in another
 order than the solve's and the product's, so the values agree with the tensor path to float rounding, not bit for bit
-(tests/test_cam.py). CPU only, float32 or float64 values. Numba compiles it on first use (cached on disk); without
-numba, or with H2O_STREAM_COMPILED=0, the tensor path runs.
+(tests/policies/test_cam.py). CPU only, float32 or float64 values. Numba compiles it on first use (cached on disk);
+without numba, or with H2O_STREAM_COMPILED=0, the tensor path runs.
 """
 
 from __future__ import annotations

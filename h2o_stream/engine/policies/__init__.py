@@ -3,7 +3,7 @@ is one new file with `@register` on its class and nothing else.
 
 Importing this package (the registry and every policy's declarations) loads no torch: the command line builds its
 options from the declarations, and `h2o-stream --help` must not wait seconds for torch. A policy module imports torch
-only under TYPE_CHECKING at its top and inside the functions that call it (tests/test_cli_startup.py checks).
+only under TYPE_CHECKING at its top and inside the functions that call it (tests/cli/test_cli_startup.py checks).
 """
 
 import importlib
