@@ -1,7 +1,10 @@
-"""Attention kernels: plain attention that also reports how much attention each key received, and the fused path
-for chunked sink attention. Pure tensor functions; the cache and the hooks that call them live elsewhere."""
+"""Attention kernels: attention that also gives its probabilities (of which a policy's scoring makes what each key
+received: policies/scoring.py), the fused path scoring the latest query, and the fused path for chunked sink
+attention. Pure tensor functions; the cache and the hooks that call them live elsewhere."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -10,98 +13,85 @@ from .memo import memoised
 from .switch import compiled_part
 
 
-def attend_with_scores(
-    query,
-    key,
-    value,
-    mask,
-    scaling,
-    softcap=None,
-    sink_query=None,
-    sinks=0,
-    *,
-    last_query=False,
-    query_weights=None,
-    squares=False,
-    virtual_logits=None,
-    window=0,
-    quantile=0.0,
-    gumbel=None,
-):
-    """Attention output (batch, q_len, q_heads, dim) and the probability each key received, summed over the queries
-    (only the last one with `last_query`; weighted by `query_weights` (q_len,) if given) and over the query heads that
-    share its KV head: (batch, kv_heads, k_len). With `squares`, (batch, kv_heads, k_len, 2): that sum and the sum
-    over the queries of the square of what each query gave (its query heads summed first). With `window`,
-    (batch, kv_heads, k_len, min(q_len, window)): what each of the last `window` queries gave, oldest first; with
-    a `quantile` as well, not their probabilities but how many of the KV head's query heads gave the key more than
-    the quantile of their row (`above_quantile`).
+@dataclass(frozen=True)
+class Extras:
+    """What a forward's attention adds to plain softmax attention: the model's logit soft-capping and learned sink
+    logits, and the engine's sink queries."""
 
-    `sink_query`, if given, replaces the query for the first `sinks` key columns (see `sink_queries`).
-    `virtual_logits` (q_heads,), if given, is the logit of a virtual key without a value that takes its share of every
-    query's softmax (GPT-OSS's learned sinks); the probabilities reported are those of the real keys.
-    """
+    softcap: float | None = None
+    #: (q_heads,) the logit of a virtual key without a value that takes its share of every query's softmax (GPT-OSS's
+    #: learned sinks); the probabilities reported are those of the real keys
+    virtual_logits: torch.Tensor | None = None
+    #: queries that replace the query for the first `sink_columns` key columns (see `sink_queries`)
+    sink_query: torch.Tensor | None = None
+    sink_columns: int = 0
+
+    @property
+    def plain(self) -> bool:
+        """Whether the model's attention adds nothing (no soft-capping, no learned sink logits)."""
+        return self.softcap is None and self.virtual_logits is None
+
+    @property
+    def what(self) -> str:
+        return " and ".join(
+            n
+            for n, v in (("logit soft-capping", self.softcap), ("learned sink logits", self.virtual_logits))
+            if v is not None
+        )
+
+
+PLAIN = Extras()
+
+
+def attend(query, key, value, mask, scaling, extras: Extras = PLAIN):
+    """Attention output (batch, q_len, q_heads, dim), the probabilities (batch, kv_heads, group, q_len, k_len) in
+    float32 (query head h reads KV head h // group) and the logits they are the softmax of (masked; the query's dtype),
+    from which a scoring makes what each key received (policies/scoring.py)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads, k_len = key.shape[1], key.shape[2]
     group = q_heads // kv_heads
     # Query head h reads KV head h // group (transformers' repeat_kv); grouping avoids materialising repeated keys.
     # Scaling the (small) query rather than the (q_len x k_len) logits saves a pass over the largest tensor here.
     logits = torch.matmul((query * scaling).reshape(batch, kv_heads, group * q_len, dim), key.transpose(-1, -2))
-    if sink_query is not None:
+    if extras.sink_query is not None:
+        sinks = extras.sink_columns
         sink_logits = torch.matmul(
-            (sink_query * scaling).reshape(batch, kv_heads, group * q_len, dim), key[..., :sinks, :].transpose(-1, -2)
+            (extras.sink_query * scaling).reshape(batch, kv_heads, group * q_len, dim),
+            key[..., :sinks, :].transpose(-1, -2),
         )
         logits = torch.cat([sink_logits, logits[..., sinks:]], dim=-1)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+    if extras.softcap is not None:
+        logits = torch.tanh(logits / extras.softcap) * extras.softcap
     logits = logits.view(batch, kv_heads, group, q_len, k_len)
     if mask is not None:
         if mask.dtype == torch.bool:  # additive form on the small (q_len, k_len) mask, then one in-place add
             mask = additive_mask(mask, logits.dtype)
         logits.add_(mask.unsqueeze(2))  # (batch, 1, 1, q_len, k_len) against (batch, kv_heads, group, q_len, k_len)
-    if virtual_logits is None:
+    if extras.virtual_logits is None:
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     else:
-        virtual = virtual_logits.to(logits.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
+        virtual = extras.virtual_logits.to(logits.dtype).view(1, kv_heads, group, 1, 1).expand(batch, -1, -1, q_len, 1)
         probs = torch.softmax(torch.cat([logits, virtual], dim=-1), dim=-1, dtype=torch.float32)[..., :-1]
         probs = probs.contiguous()
-    given = probs  # what the keys are reported to receive
-    if gumbel is not None:
-        noise, temperatures = gumbel
-        given = torch.softmax(
-            (logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1, dtype=torch.float32
-        )
-    if window:
-        observed = given[..., -window:, :]
-        if quantile:
-            # the mask itself where the window holds every query: the memoised row lengths are the mask's
-            rows = mask if mask is None or mask.shape[-2] <= window else mask[..., -window:, :]
-            received = window_counts(observed, rows, quantile)  # whole numbers: float32, as the layer keeps them
-        else:
-            received = observed.sum(dim=2).transpose(-1, -2)
-            received = received.to(torch.float32 if probs.device.type == "mps" else torch.float64)
-    elif squares:
-        # (batch, kv_heads, queries, k_len), widened before squaring: a variance is a difference of two close sums
-        per_query = (given[..., -1:, :] if last_query else given).sum(dim=2)
-        per_query = per_query.to(torch.float32 if per_query.device.type == "mps" else torch.float64)
-        if query_weights is not None and not last_query:
-            weights = query_weights.to(per_query.dtype)[:, None]
-            received = torch.stack([(per_query * weights).sum(2), (per_query.square() * weights).sum(2)], dim=-1)
-        else:
-            received = torch.stack([per_query.sum(2), per_query.square().sum(2)], dim=-1)
-    elif query_weights is not None and not last_query:
-        # (q_len,) @ (batch, kv_heads, q_len, k_len): a third of einsum's time here (it permuted the probabilities)
-        received = torch.matmul(query_weights.to(given.dtype), given.sum(dim=2))
-    else:
-        received = (given[..., -1:, :] if last_query else given).sum(dim=(2, 3))
     output = torch.matmul(probs.to(value.dtype).view(batch, kv_heads, group * q_len, k_len), value)
     output = output.view(batch, q_heads, q_len, value.shape[-1]).transpose(1, 2)
-    return output, received
+    return output, probs, logits
+
+
+def regularised_probabilities(logits: torch.Tensor, noise: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Gumbel-regularised probabilities (batch, kv_heads, group, q_len, k_len) in float32 from `attend`'s `logits`,
+    the `noise` of the same shape and each query's temperature (q_len,): what Gumbel scores count in place of the
+    model's own probabilities."""
+    return torch.softmax(
+        (logits + noise) / temperatures.to(logits.dtype).view(1, 1, 1, -1, 1), dim=-1, dtype=torch.float32
+    )
 
 
 def attend_scoring_last_query(query, key, value, mask, scaling):
-    """What `attend_with_scores(..., last_query=True)` returns for plain attention (no soft-capping, sink queries,
-    virtual logits or draws), the same up to float rounding: every query's output from torch's fused attention, and
-    only the last query's probabilities made explicitly (batch, kv_heads, k_len), its query heads summed. A chunk of
+    """What `attend` and the latest query's scoring (`LATEST.gathered`) give for plain attention (no soft-capping,
+    sink queries, virtual logits or draws), the same up to float rounding: every query's output from torch's fused
+    attention, and only the last query's probabilities made explicitly (batch, kv_heads, k_len), its query heads
+    summed. A chunk of
     a policy that scores the latest query need not write out the (q_len x k_len) probabilities of the others."""
     batch, q_heads, _, dim = query.shape
     kv_heads = key.shape[1]
@@ -174,14 +164,14 @@ def fused_sink_attention_applies(query, key, mask, sinks: int) -> bool:
 
 
 def attend_with_sink_queries(query, key, value, mask, scaling, sink_query, sinks):
-    """What `attend_with_scores` computes for a chunk whose sink columns need `sink_query`, without its explicit
+    """What `attend` computes for a chunk whose sink columns need `sink_query`, without its explicit
     softmax over the whole (q_len, k_len) block: the band columns go through the fused kernel, the few sink columns
     are computed directly, and the two softmax parts are merged by their log-sum-exps. (batch, q_len, q_heads, dim)."""
     batch, q_heads, q_len, dim = query.shape
     kv_heads = key.shape[1]
     group = q_heads // kv_heads
     # Query head h reads KV head h // group: each group's queries become rows of its KV head (as in
-    # `attend_with_scores`), where repeating the keys and values for every query head copied them in every layer.
+    # `attend`), where repeating the keys and values for every query head copied them in every layer.
     rows = (batch, kv_heads, group * q_len, dim)
     band = band_bias(mask, sinks, group, query.dtype)
     band_out, band_lse = _FLASH_CPU(query.reshape(rows), key, value, attn_mask=band, scale=scaling)[:2]

@@ -18,9 +18,9 @@ the engine memoises across forwards is made outside inference mode (memo.py), so
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from contextvars import ContextVar
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -29,13 +29,14 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .attention import (
+    Extras,
+    attend,
     attend_scoring_last_query,
-    attend_with_scores,
     attend_with_sink_queries,
     causal_additive_mask,
     causal_mask,
     fused_sink_attention_applies,
-    layer_mean,
+    regularised_probabilities,
     sink_queries,
 )
 
@@ -46,7 +47,7 @@ _active_cache: ContextVar = ContextVar("h2o_stream_cache", default=None)
 def streaming_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     cache = _active_cache.get()
     # Gemma 2's attention soft-capping and GPT-OSS's learned attention sinks (one extra logit per query head)
-    extras = Extras(kwargs.get("softcap"), kwargs.get("s_aux"))
+    extras = Extras(softcap=kwargs.get("softcap"), virtual_logits=kwargs.get("s_aux"))
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     if cache is None:  # another cache or none: what the model would do without h2o-stream
         if extras.plain:
@@ -55,9 +56,7 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
             )
         if attention_mask is None and query.shape[-2] > 1:  # transformers leaves out a mask that is only causal
             attention_mask = causal_mask(query.shape[-2], key.shape[-2], query.device)
-        return attend_with_scores(
-            query, key, value, attention_mask, scaling, extras.softcap, virtual_logits=extras.sinks
-        )[0], None
+        return attend(query, key, value, attention_mask, scaling, extras)[0], None
     layer = cache.layers[module.layer_idx]
     rows = getattr(layer, "rows", None)
     if rows is None:
@@ -68,24 +67,6 @@ def streaming_attention(module, query, key, value, attention_mask, scaling=None,
         for i, row in enumerate(rows)
     ]
     return torch.cat(outputs), None
-
-
-@dataclass(frozen=True)
-class Extras:
-    """What a model's attention adds to plain softmax attention: logit soft-capping, learned sink logits."""
-
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None  # (q_heads,) logits of a virtual key with no value (GPT-OSS)
-
-    @property
-    def plain(self) -> bool:
-        return self.softcap is None and self.sinks is None
-
-    @property
-    def what(self) -> str:
-        return " and ".join(
-            n for n, v in (("logit soft-capping", self.softcap), ("learned sink logits", self.sinks)) if v is not None
-        )
 
 
 _said: set[tuple[str, str]] = set()  # (path, what) said already
@@ -122,53 +103,37 @@ def _layer_attention(layer, query, key, value, scaling, extras: Extras):
             layer.after_attention(None, steps=query.shape[-2])
             return output
         say_once("fused sink attention kernel", extras.what)
-    return _attend(layer, query, key, value, mask, scaling, extras, sink_query, sinks)
+    if sink_query is not None:
+        extras = dataclasses.replace(extras, sink_query=sink_query, sink_columns=sinks)
+    return _attend(layer, query, key, value, mask, scaling, extras)
 
 
-def _attend(layer, query, key, value, mask, scaling, extras: Extras, sink_query=None, sinks=0, more_blocks=False):
+def _attend(layer, query, key, value, mask, scaling, extras: Extras, more_blocks=False):
     """Attention of `query` over the layer's entries, their scores folded in and the layer cut (after_attention;
-    `more_blocks`: a block of a scan that is not its last)."""
+    `more_blocks`: a block of a scan that is not its last). The kernel gives the probabilities; the policy's scoring
+    makes of them what each entry received (policies/scoring.py)."""
     policy = layer.policy
+    received = None
     if (
         policy.score_queries == "last"
         and query.shape[-2] > 1
         and extras.plain
-        and sink_query is None
+        and extras.sink_query is None
         and not policy.gumbel
     ):
         output, received = attend_scoring_last_query(query, key, value, mask, scaling)
-    elif policy.needs_scores or not extras.plain or sink_query is not None:
-        # exact mode (one query) needs no weights: every weight would be 1
-        weights = policy.query_weights(query.shape[-2]) if policy.needs_scores and query.shape[-2] > 1 else None
-        gumbel = (
-            layer.gumbel_draws(query.shape[-2], query.shape[1] // key.shape[1], query.dtype) if policy.gumbel else None
-        )
-        output, received = attend_with_scores(
-            query,
-            key,
-            value,
-            mask,
-            scaling,
-            extras.softcap,
-            sink_query,
-            sinks,
-            last_query=policy.score_queries == "last",
-            query_weights=weights,
-            squares=policy.score_squares,
-            virtual_logits=extras.sinks,
-            window=policy.score_window,
-            quantile=policy.score_quantile,
-            gumbel=gumbel,
-        )
+        received = policy.scoring.rule.over_heads(policy, received, query.shape[1])
+    elif policy.needs_scores or not extras.plain or extras.sink_query is not None:
+        output, probs, logits = attend(query, key, value, mask, scaling, extras)
+        if policy.needs_scores:
+            if policy.gumbel:
+                group = query.shape[1] // key.shape[1]
+                probs = regularised_probabilities(logits, *layer.gumbel_draws(query.shape[-2], group, query.dtype))
+            received = policy.scoring.rule.received(policy, probs, mask)
     else:
         output = F.scaled_dot_product_attention(
             query, key, value, attn_mask=mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
         ).transpose(1, 2)
-        received = None
-    if not policy.needs_scores:
-        received = None
-    elif policy.score_heads == "layer":
-        received = layer_mean(received, query.shape[1])
     layer.after_attention(received, steps=query.shape[-2], more_blocks=more_blocks)
     return output
 

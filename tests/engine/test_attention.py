@@ -7,12 +7,14 @@ import pytest
 import torch
 
 from h2o_stream.engine.attention import (
+    Extras,
+    attend,
     attend_scoring_last_query,
-    attend_with_scores,
     attend_with_sink_queries,
     band_bias,
     fused_sink_attention_applies,
 )
+from h2o_stream.engine.policies.scoring import LATEST
 
 
 @pytest.mark.parametrize("batch,q_heads,kv_heads", [(1, 9, 3), (2, 4, 4), (1, 4, 1)])
@@ -36,7 +38,7 @@ def test_fused_sink_attention_equals_explicit_softmax(batch, q_heads, kv_heads, 
         mask = ((key_slot <= query_slot) & ((key_slot < sinks) | (key_slot >= query_slot - recent)))[None, None]
         assert fused_sink_attention_applies(query, key, mask, sinks)
         fused = attend_with_sink_queries(query, key, value, mask, 0.2, sink_query, sinks)
-        reference, _ = attend_with_scores(query, key, value, mask, 0.2, None, sink_query, sinks)
+        reference = attend(query, key, value, mask, 0.2, Extras(sink_query=sink_query, sink_columns=sinks))[0]
         assert fused.shape == reference.shape == (batch, length, q_heads, dim)
         assert torch.allclose(fused, reference, atol=1e-5, rtol=0), (recent, (fused - reference).abs().max())
 
@@ -57,7 +59,8 @@ def test_latest_query_scores_with_fused_attention_equal_explicit_softmax(batch, 
     if mask_form == "additive":
         mask = torch.zeros(visible.shape).masked_fill_(~visible, float("-inf"))
     output, received = attend_scoring_last_query(query, key, value, mask, 0.2)
-    reference, expected = attend_with_scores(query, key, value, mask, 0.2, last_query=True)
+    reference, probs, _ = attend(query, key, value, mask, 0.2)
+    expected = LATEST.gathered(None, probs, mask)
     assert output.shape == reference.shape and received.shape == expected.shape == (batch, kv_heads, cached + length)
     assert torch.allclose(output, reference, atol=1e-5, rtol=0), (output - reference).abs().max()
     assert torch.allclose(received, expected, atol=1e-6, rtol=0), (received - expected).abs().max()

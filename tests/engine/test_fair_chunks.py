@@ -54,7 +54,7 @@ def widest_budget(cache) -> int:
 def test_no_query_sees_more_than_budget_plus_one_keys(policy, monkeypatch):
     """Counted where attention runs, not by the cache's own bookkeeping: the widest key set a query is given."""
     widest = []
-    for name in ("attend_with_scores", "attend_with_sink_queries"):
+    for name in ("attend", "attend_with_sink_queries"):
         kernel = getattr(hooks, name)
 
         def counting(query, key, value, mask, *args, _kernel=kernel, **kwargs):

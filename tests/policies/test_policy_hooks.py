@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from h2o_stream import H2OStreamError, StreamingCache, make_policy
-from h2o_stream.engine.attention import attend_with_scores, layer_mean
+from h2o_stream.engine.attention import attend, layer_mean
+from h2o_stream.engine.policies.scoring import LATEST, SUM
 from h2o_stream.engine.policies.sepllm import SEPARATOR_PUNCTUATION, SepLLMPolicy, separator_ids
 from h2o_stream.engine.policies.slots import ages
 from support.tiny_models import random_ids, tiny_model
@@ -30,8 +31,8 @@ def test_the_last_query_option_scores_only_the_last_query_and_layer_mean_average
     torch.manual_seed(0)
     query, key, value = torch.randn(1, 4, 3, 8), torch.randn(1, 2, 7, 8), torch.randn(1, 2, 7, 8)
     mask = (torch.arange(7) <= torch.arange(4, 7).unsqueeze(-1))[None, None]
-    _, every = attend_with_scores(query, key, value, mask, 0.3)
-    _, last = attend_with_scores(query, key, value, mask, 0.3, last_query=True)
+    _, given, _ = attend(query, key, value, mask, 0.3)
+    every, last = SUM.gathered(None, given, mask), LATEST.gathered(None, given, mask)
     probs = torch.softmax(
         (query.view(1, 2, 2, 3, 8) * 0.3) @ key.unsqueeze(2).transpose(-1, -2)
         + torch.where(mask, 0.0, -math.inf).unsqueeze(2),
@@ -156,7 +157,7 @@ def test_policies_without_scores_keep_the_fused_path_and_refuse_chunks_wider_tha
     )
     cache = StreamingCache(model, policy)
     calls = []
-    monkeypatch.setattr(hooks, "attend_with_scores", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(hooks, "attend", lambda *a, **k: calls.append(1))
     model(random_ids(3), cache=cache)
     assert not calls  # plain SDPA: no explicit softmax for a policy that needs no scores
     assert cache.max_chunk == 4
@@ -175,3 +176,24 @@ def test_generate_with_sepllm_matches_a_manual_greedy_loop():
         tokens = torch.cat([tokens, logits.argmax(-1, keepdim=True)], dim=-1)
         logits = model(tokens[:, -1:], cache=cache).logits[:, -1]
     assert torch.equal(got, tokens) and cache.slots == 16
+
+
+def test_each_scoring_makes_its_update_from_the_attention_probabilities():
+    torch.manual_seed(3)
+    probs = torch.softmax(torch.randn(1, 2, 3, 5, 9), dim=-1)  # (batch, kv_heads, group, q_len, k_len)
+    per_query = probs.sum(dim=2).double()  # (batch, kv_heads, q_len, k_len)
+    a2sf = make_policy("a2sf", 12, alpha=0.5)
+    decayed = a2sf.scoring.rule.received(a2sf, probs, None)
+    weights = 0.5 ** torch.arange(4, -1, -1, dtype=torch.float64)
+    assert torch.allclose(decayed.double(), (per_query * weights[:, None]).sum(2), atol=1e-6)
+    assert torch.equal(a2sf.scoring.rule.received(a2sf, probs[..., -1:, :], None), probs[..., -1, :].sum(2))
+    roco = make_policy("roco", 24)
+    moments = roco.scoring.rule.received(roco, probs, None)
+    assert moments.shape == (1, 2, 9, 2) and moments.dtype == torch.float64
+    assert torch.allclose(moments, torch.stack([per_query.sum(2), per_query.square().sum(2)], -1))
+    snapkv = make_policy("snapkv", 24, observation=3)
+    window = snapkv.scoring.rule.received(snapkv, probs, None)
+    assert torch.allclose(window, per_query[:, :, -3:].transpose(-1, -2))  # the last 3 queries, oldest first
+    tova = make_policy("tova", 12)  # the layer's mean of the last query
+    latest = tova.scoring.rule.received(tova, probs, None)
+    assert torch.allclose(latest, (probs[..., -1, :].sum(dim=(1, 2)) / 6).expand(1, 2, 9))
