@@ -2,10 +2,10 @@
 
 Exact mode on the tensor operations costs ~30 small operations per layer and token (append, re-rotation, attention
 with scores, the cut's ranking and gathers) against the raw decode step's three, and a scanned exact forward makes
-them 256 times per layer. Here one compiled loop does what `StreamingLayer` and `attend_with_scores` do, step by step,
+them 256 times per layer. Here one compiled loop does what `StreamingLayer` and `attend` do, step by step,
 for a policy that declares how its one-entry cut is made (`EvictionPolicy.drop_one`): the new entry is appended
 (un-rotated from its slot when rolling), keys are rotated to their slots (only those whose slot changed since the last
-step), each query head attends over the `n + 1` entries (probabilities in float32, as `attend_with_scores`), the
+step), each query head attends over the `n + 1` entries (probabilities in float32, as `attend`), the
 probabilities received become scores (summed over the query heads of a KV head, or the layer's mean; accumulated,
 decayed or replaced; for roco with their squares) and, holding budget + 1, the layer drops one entry and closes the
 gap. Exact-mode `ppl` and decoding run several times faster so (eval/results/speed/).
@@ -113,7 +113,7 @@ def exact_steps(
     after, entries dropped over all rows and heads, the most keys a query saw)."""
     batch, q_heads, length, dim = query.shape
     out = query.new_empty(batch, length, q_heads, values.shape[-1])
-    # attention probabilities as the tensor path has them: float32 where they become scores (attend_with_scores),
+    # attention probabilities as the tensor path has them: float32 where they become scores (attend),
     # else in the model's dtype (scaled_dot_product_attention)
     probs = np.empty((q_heads, space.keys.shape[2]), dtype=np.float32 if rule.ranked else space.arrays[0].dtype)
     if tables is None:
