@@ -284,16 +284,10 @@ class EvictionPolicy:
 
     def update_scores(self, scores: torch.Tensor, received: torch.Tensor, steps: int = 1) -> None:
         """Fold the attention each entry just `received` into its `scores`, in place; both (batch, kv_heads, n[, 2]),
-        `received` as `score_heads` and `score_queries` say (weighted by `query_weights`); `steps` is the number of
-        queries (tokens) in the forward. Called only with `needs_scores`."""
+        `received` as `score_heads` and `score_queries` say (weighted by the scoring's `query_weights`); `steps` is
+        the number of queries (tokens) in the forward. Called only with `needs_scores`."""
         assert self.scoring is not None, "a policy without scores has none to update"
         self.scoring.rule.update(self, scores, received, steps)
-
-    def query_weights(self, length: int) -> torch.Tensor | None:
-        """Weights of a chunk's `length` queries in the attention an entry receives (None: each counts once). Scores
-        that decay weigh query i by the decay of the steps after it, so that a chunk leaves the scores its steps
-        would: decay ** (length - 1 - i)."""
-        return None if self.scoring is None else self.scoring.rule.query_weights(self, length)
 
     # -- cuts ---------------------------------------------------------------------------------------------------
     def keep(self, positions: torch.Tensor, scores: torch.Tensor | None, **extra: torch.Tensor | int) -> torch.Tensor:
