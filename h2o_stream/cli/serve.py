@@ -11,6 +11,7 @@ from pathlib import Path
 import click
 
 from h2o_stream.apps.chat.defaults import DEFAULT_CACHE_SIZE
+from h2o_stream.apps.serve.limits import Limits
 from h2o_stream.errors import H2OStreamError
 
 from .options import cache_options, model_options
@@ -66,9 +67,28 @@ DEFAULT_CHUNK_SIZE = 64
 @click.option(
     "--max-tokens",
     type=click.IntRange(min=1),
-    default=4096,
+    default=Limits.max_tokens,
     show_default=True,
     help="Largest max_tokens a request may ask for.",
+)
+@click.option(
+    "--max-prompt-tokens",
+    type=click.IntRange(min=1),
+    default=Limits.max_prompt_tokens,
+    show_default=True,
+    help="Most tokens one turn reads before its reply: the new message, and the exchanges of a history the server "
+    "does not hold. A turn over it is refused before anything is read.",
+)
+@click.option(
+    "--allow-request-settings",
+    is_flag=True,
+    help='Let a request choose the policy and cache size of the conversation it starts ("policy", '
+    '"cache_size"); by default the server\'s are the only ones.',
+)
+@click.option(
+    "--no-batching",
+    is_flag=True,
+    help="Run the forwards of the turns under way one by one rather than as the rows of one batch (to compare).",
 )
 @click.option(
     "--default-max-tokens",
@@ -80,14 +100,14 @@ DEFAULT_CHUNK_SIZE = 64
 @click.option(
     "--max-request-bytes",
     type=click.IntRange(min=1024),
-    default=8 * 2**20,
+    default=Limits.max_request_bytes,
     show_default=True,
     help="Largest request body (a client resends the whole history each turn).",
 )
 @click.option(
     "--max-messages",
     type=click.IntRange(min=1),
-    default=10_000,
+    default=Limits.max_messages,
     show_default=True,
     help="Most messages in one request.",
 )
@@ -118,6 +138,9 @@ def serve(
     api_key,
     model_name,
     max_tokens,
+    max_prompt_tokens,
+    allow_request_settings,
+    no_batching,
     default_max_tokens,
     max_request_bytes,
     max_messages,
@@ -130,10 +153,10 @@ def serve(
     Clients resend the whole history each turn; the server recognises the conversation and feeds only the new
     message. Every completed turn is saved under --state-dir, so a restart loses nothing. docs/serve.md has the
     details."""
-    for module in ("fastapi", "uvicorn"):
+    for module in ("fastapi", "uvicorn", "greenlet"):
         if importlib.util.find_spec(module) is None:
             raise H2OStreamError(f"h2o-stream serve needs {module}: pip install 'h2o-stream[serve]'")
-    from h2o_stream.apps.serve import Limits, ServeSettings, Service
+    from h2o_stream.apps.serve import ServeSettings, Service
     from h2o_stream.apps.serve.app import listen, run
     from h2o_stream.engine.policies import make_policy, policy_class
     from h2o_stream.loading.models import cache_dir, load_model
@@ -165,7 +188,14 @@ def serve(
         max_queue=max_queue,
         api_key=api_key or None,
         default_max_tokens=default_max_tokens,
-        limits=Limits(max_request_bytes=max_request_bytes, max_messages=max_messages, max_tokens=max_tokens),
+        limits=Limits(
+            max_request_bytes=max_request_bytes,
+            max_messages=max_messages,
+            max_tokens=max_tokens,
+            max_prompt_tokens=max_prompt_tokens,
+        ),
+        allow_request_settings=allow_request_settings,
+        batch=not no_batching,
     )
     service = Service(loaded.model, loaded.tokenizer, settings, model_name=loaded.name)
     for notice in service.start():

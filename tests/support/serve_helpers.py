@@ -8,11 +8,14 @@ is a deterministic function of what the cache holds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -98,6 +101,16 @@ def serve_process(model_dir, state_dir, *extra, env=None) -> tuple[subprocess.Po
         return start_server(command, cwd=state_dir, env=environment)
     except BadInput as error:
         pytest.fail(str(error))
+
+
+def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A request without the openai client (to send what it never would): its status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
 
 
 def reply_of(response) -> str:

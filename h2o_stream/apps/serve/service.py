@@ -13,11 +13,12 @@ from h2o_stream.apps.chat.session_file import model_fingerprint, policy_from_set
 from h2o_stream.engine.policies import make_policy
 from h2o_stream.errors import H2OStreamError
 
+from .batching import BatchedModel
 from .conversations import Conversations
 from .history import parse_history
-from .protocol import ApiError, ChatRequest, Limits, reply_limit, stop_texts
+from .protocol import ApiError, ChatRequest, Limits, PromptLimit, TextRequest, reply_limit, stop_texts, unknown_model
 from .store import CONVERSATION_ID, Store
-from .worker import TurnRequest, Worker
+from .worker import TextTurn, TurnRequest, Worker
 
 log = logging.getLogger("h2o_stream.serve")
 DEFAULT_IN_MEMORY = 8
@@ -40,6 +41,8 @@ class ServeSettings:
     default_max_tokens: int = 256  # a reply's length when the request gives none
     api_key: str | None = None
     limits: Limits = field(default_factory=Limits)
+    allow_request_settings: bool = False  # may a request choose its new conversation's policy and cache size
+    batch: bool = True  # the forwards of the turns under way run as the rows of one batch
 
 
 class Service:
@@ -50,12 +53,15 @@ class Service:
         if settings.in_memory < 1:
             raise H2OStreamError(f"--in-memory must be at least 1, got {settings.in_memory}")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self._batched = BatchedModel(model)  # what sessions call: their forwards join the worker's batch
         self.model_name = model_name or settings.served_model
         self.default_policy = self._policy(settings.policy, settings.cache_size, settings.parts).settings()
         # part of every history's digest: a conversation saved with another model is another conversation (its
         # files stay as they are, for when that model is served again)
         self._model_key = {k: v for k, v in model_fingerprint(model).items() if k != "name"}
         self.store = Store(settings.state_dir)
+        config = model.config.get_text_config(decoder=True)
+        self.limit = PromptLimit(settings.limits.max_prompt_tokens, getattr(config, "max_position_embeddings", None))
         self.worker: Worker | None = None
 
     def start(self) -> list[str]:
@@ -65,7 +71,7 @@ class Service:
             return []
         notices = self.store.open()
         conversations = Conversations(self.store, self._session, self.settings.in_memory)
-        self.worker = Worker(conversations, max_jobs=self.settings.max_queue)
+        self.worker = Worker(conversations, self.model, max_jobs=self.settings.max_queue, batch=self.settings.batch)
         self.worker.start()
         for notice in notices:
             log.warning(notice)
@@ -87,7 +93,7 @@ class Service:
 
     def _session(self, system: str | None, policy: dict) -> ChatSession:
         return ChatSession(
-            self.model,
+            self._batched,
             self.tokenizer,
             policy=policy_from_settings(policy),
             rolling=self.settings.rolling,
@@ -101,18 +107,21 @@ class Service:
         """The turn a checked request asks for; ApiError for what only the server can judge (the model's name,
         the conversation id, a per-request cache)."""
         if request.model != self.settings.served_model:
-            raise ApiError(
-                404,
-                f"the model {request.model!r} does not exist here; this server serves "
-                f"{self.settings.served_model!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(request.model, self.settings.served_model)
         if conversation is not None and not CONVERSATION_ID.fullmatch(conversation):
             raise ApiError(
                 400, "X-Conversation-Id must be 1 to 64 letters, digits, '-' or '_'", param="X-Conversation-Id"
             )
         policy = self.default_policy
+        if (request.policy is not None or request.cache_size is not None) and not self.settings.allow_request_settings:
+            given = "policy" if request.policy is not None else "cache_size"
+            raise ApiError(
+                400,
+                f"this server chooses the cache itself ({self.policy_text}): remove {given} from the request (its "
+                "operator may allow it: h2o-stream serve --allow-request-settings)",
+                param=given,
+                code="setting_not_allowed",
+            )
         if request.policy is not None or request.cache_size is not None:
             name = request.policy or self.settings.policy
             parts = self.settings.parts if name == self.settings.policy else {}
@@ -123,14 +132,32 @@ class Service:
         history = parse_history(
             request.messages, {"policy": policy, "rolling": self.settings.rolling, "model": self._model_key}
         )
-        sampling = {
+        return TurnRequest(
+            history, conversation, policy, self._sampling(request), self.limit, request.seed, stop_texts(request)
+        )
+
+    def text_request(self, request: TextRequest) -> TextTurn:
+        """The text completion a checked request asks for, in a cache of the server's policy."""
+        if request.model != self.settings.served_model:
+            raise unknown_model(request.model, self.settings.served_model)
+        return TextTurn(
+            request.text,
+            self.default_policy,
+            self._sampling(request),
+            self.limit,
+            request.seed,
+            stop_texts(request),
+            request.echo,
+        )
+
+    def _sampling(self, request) -> dict:
+        return {
             "temperature": request.temperature,
             "top_p": request.top_p,
             "top_k": request.top_k,
             "repetition_penalty": request.repetition_penalty,
             "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens,
         }
-        return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))
 
 
 def api_key_from_env(given: str | None) -> str | None:
