@@ -1,7 +1,9 @@
 """The HTTP side: a FastAPI app with OpenAI's routes in front of a `Service`.
 
-    GET  /v1/models             the one model served
-    POST /v1/chat/completions   a turn; with "stream": true as server-sent events in OpenAI's chunk format
+    GET    /v1/models                 the one model served
+    POST   /v1/chat/completions       a turn; with "stream": true as server-sent events in OpenAI's chunk format
+    DELETE /v1/conversations/{id}     removes a conversation of the caller's key (404 if it has none so named)
+    GET    /health                    no key needed: the model, the conversations held, the state directory's size
 
 Every response to a turn carries `X-Conversation-Id` (send it back to name the conversation) and, besides OpenAI's
 fields, an `h2o_stream` object (in a stream: on the last chunk) saying how the history was matched and what the cache
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 
 from fastapi import FastAPI, Request
@@ -68,19 +69,29 @@ def create_app(service: Service) -> FastAPI:
             ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body(), status_code=500
         )
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-            raise ApiError(
-                401,
-                "a valid API key is needed (Authorization: Bearer KEY)"
-                if given
-                else "this server needs an API key (Authorization: Bearer KEY)",
-                code="invalid_api_key",
-            )
+    def authorize(request: Request) -> str:
+        """The owner of the request's conversations (its key's); ApiError 401 without a key the server takes."""
+        return service.keys.owner(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health():
+        assert service.worker is not None  # the lifespan starts the service before the app takes any request
+        return {
+            "status": "ok",
+            "model": settings.served_model,
+            "conversations": len(service.store.records),
+            "in_memory": len(service.worker.conversations.sessions),
+            "state_bytes": service.store.bytes,
+        }
+
+    @app.delete("/v1/conversations/{name}")
+    async def delete_conversation(name: str, request: Request):
+        owner = authorize(request)
+        assert service.worker is not None
+        # through the worker thread, which owns the registry: it runs the delete between two steps of the turns
+        # under way, so a turn never finds its conversation gone, and a busy one is refused (409)
+        await asyncio.wrap_future(service.worker.call(lambda conversations: conversations.delete(owner, name)))
+        return {"id": name, "object": "conversation.deleted", "deleted": True}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -89,10 +100,10 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        authorize(request)
+        owner = authorize(request)
         body = await _read_body(request, settings.limits)
         chat = parse_body(body, settings.limits)
-        turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER))
+        turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER), owner)
         assert service.worker is not None  # the lifespan starts the service before the app takes any request
         job = service.worker.submit(turn, asyncio.get_running_loop())
         try:

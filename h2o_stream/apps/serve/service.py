@@ -15,8 +15,9 @@ from h2o_stream.errors import H2OStreamError
 
 from .conversations import Conversations
 from .history import parse_history
+from .keys import Keys
 from .protocol import ApiError, ChatRequest, Limits, reply_limit, stop_texts
-from .store import CONVERSATION_ID, Store
+from .store import CONVERSATION_ID, Bounds, Store
 from .worker import TurnRequest, Worker
 
 log = logging.getLogger("h2o_stream.serve")
@@ -26,7 +27,8 @@ DEFAULT_IN_MEMORY = 8
 @dataclass
 class ServeSettings:
     """How the server runs: where conversations live, how many stay in memory, the cache of a new conversation
-    (`policy` name, `cache_size`, budget `parts`), the request limits and the optional API key."""
+    (`policy` name, `cache_size`, budget `parts`), the request limits, the API keys (none: no key needed) and what
+    the state directory may keep."""
 
     state_dir: Path
     served_model: str
@@ -38,8 +40,9 @@ class ServeSettings:
     in_memory: int = DEFAULT_IN_MEMORY
     max_queue: int = 256
     default_max_tokens: int = 256  # a reply's length when the request gives none
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
+    bounds: Bounds = field(default_factory=Bounds)
 
 
 class Service:
@@ -56,6 +59,7 @@ class Service:
         # files stay as they are, for when that model is served again)
         self._model_key = {k: v for k, v in model_fingerprint(model).items() if k != "name"}
         self.store = Store(settings.state_dir)
+        self.keys = Keys(settings.api_keys)
         self.worker: Worker | None = None
 
     def start(self) -> list[str]:
@@ -64,7 +68,9 @@ class Service:
         if self.worker is not None:
             return []
         notices = self.store.open()
-        conversations = Conversations(self.store, self._session, self.settings.in_memory)
+        conversations = Conversations(self.store, self._session, self.settings.in_memory, self.settings.bounds)
+        if removed := conversations.trim():
+            notices.append(f"removed {removed} conversation(s) unused for too long or beyond the disk bounds")
         self.worker = Worker(conversations, max_jobs=self.settings.max_queue)
         self.worker.start()
         for notice in notices:
@@ -97,9 +103,9 @@ class Service:
             model_name=self.model_name,
         )
 
-    def turn_request(self, request: ChatRequest, conversation: str | None) -> TurnRequest:
-        """The turn a checked request asks for; ApiError for what only the server can judge (the model's name,
-        the conversation id, a per-request cache)."""
+    def turn_request(self, request: ChatRequest, conversation: str | None, owner: str = "") -> TurnRequest:
+        """The turn a checked request of `owner` (`keys.owner`) asks for; ApiError for what only the server can
+        judge (the model's name, the conversation id, a per-request cache)."""
         if request.model != self.settings.served_model:
             raise ApiError(
                 404,
@@ -130,7 +136,7 @@ class Service:
             "repetition_penalty": request.repetition_penalty,
             "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens,
         }
-        return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))
+        return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request), owner)
 
 
 def api_key_from_env(given: str | None) -> str | None:
