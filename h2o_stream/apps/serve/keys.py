@@ -33,7 +33,7 @@ class Keys:
             return ""
         scheme, _, given = (authorization or "").partition(" ")
         candidate = given.strip().encode()
-        owner = None
+        owner: str | None = None
         for key, name in self._keys:
             if hmac.compare_digest(candidate, key) and scheme.lower() == "bearer":
                 owner = name

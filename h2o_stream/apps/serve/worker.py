@@ -157,7 +157,8 @@ class Worker:
 
     def _drain(self, *taken: Job | Call) -> list[Job]:
         """The jobs among `taken` and in the inbox; each Call met is run now."""
-        jobs, items = [], list(taken)
+        jobs: list[Job] = []
+        items = list(taken)
         while True:
             for item in items:
                 if isinstance(item, Call):

@@ -107,8 +107,8 @@ def test_a_state_dir_written_without_keys_is_served_as_the_keyless_owners(model,
         assert info["how"] == "new" and info["replayed_turns"] == 2
         _, info = _talk(a, [("an unnamed one", unnamed_text)], "and then?")
         assert info["how"] == "new" and info["conversation"] != unnamed["conversation"]
-        with pytest.raises(openai.NotFoundError):
-            a.conversations.delete("old")
+        assert a.conversations.delete("old").deleted  # A's own "old"; the keyless one stays
+        assert f"{owner_name('key-a')}~old" not in server.store.records
         assert {"old", unnamed["conversation"]} <= set(server.store.records)
     assert all((tmp_path / "conversations" / name).read_bytes() == data for name, data in files.items())
 

@@ -122,24 +122,26 @@ def test_delete_removes_a_conversation_and_refuses_an_unknown_or_busy_one(model,
         _, info = _talk(client, turns, "and then?", extra_headers=header)
         assert info["how"] == "new" and info["replayed_turns"] == 2 and info["conversation"] == "mine"
 
-        stream = client.chat.completions.create(
+        busy = {"X-Conversation-Id": "busy-one"}
+        text, _ = _talk(client, [], "hello", extra_headers=busy)
+        stream = client.chat.completions.create(  # a reply of a few hundred tokens, greedy
             model=MODEL,
-            messages=conversation(turns, "a long one"),
+            messages=conversation([("hello", text)], "go on"),
             temperature=0,
             max_tokens=4000,
             stream=True,
-            extra_headers=header,
+            extra_headers=busy,
         )
-        next(iter(stream))  # a turn of "mine" is under way
-        with pytest.raises(openai.ConflictError) as busy:
-            client.conversations.delete("mine")
-        assert busy.value.body["code"] == "conversation_busy"
+        next(iter(stream))  # a turn of "busy-one" is under way
+        with pytest.raises(openai.ConflictError) as refused:
+            client.conversations.delete("busy-one")
+        assert refused.value.body["code"] == "conversation_busy"
         stream.close()
         for _ in range(200):  # the worker lets the cancelled turn go at its next step
-            if "mine" not in worker.conversations.busy:
+            if "busy-one" not in worker.conversations.busy:
                 break
             threading.Event().wait(0.05)
-        assert client.conversations.delete("mine").deleted
+        assert client.conversations.delete("busy-one").deleted and "busy-one" not in server.store.records
 
 
 def test_a_busy_conversation_is_not_removed_to_make_room(model, tokenizer, tmp_path):
