@@ -216,11 +216,12 @@ def serve(
     def ready(url: str) -> None:
         store = service.store
         _note(
-            f"serving {settings.served_model} at {url} | {service.policy_text} | {len(store.records)} conversations "
-            f"in {state} ({size_text(store.bytes)}"
-            + (f" of at most {size_text(max_disk)}" if max_disk else "")
+            f"serving {settings.served_model} at {url} | {service.policy_text} | conversations in {state}: "
+            f"{len(store.records)} ({size_text(store.bytes)} on disk"
+            + (f", at most {size_text(max_disk)}" if max_disk else "")
             + f"), at most {in_memory} in memory"
-            + (f" | {len(api_keys)} API key(s) required" if api_keys else "")
+            + (" | API key required" if api_keys else "")
+            + (f" ({len(api_keys)} keys taken)" if len(api_keys) > 1 else "")
         )
 
     run(service, host, port, log_level=log_level, on_ready=ready, sock=sock)

@@ -219,3 +219,27 @@ def test_bad_bounds_and_key_files_are_refused_before_the_model_loads(tmp_path, c
     assert code == 2 and last.startswith("Error: ") and says in last, stderr
     assert "Traceback" not in stderr and "loading " not in stderr
     assert not state.exists()
+
+
+def test_the_start_line_says_how_many_conversations_the_directory_holds_and_its_size(
+    model, tokenizer, model_dir, tmp_path, capsys, monkeypatch
+):
+    import h2o_stream.apps.serve.app as app
+    from support.ppl_helpers import command
+
+    with served(model, tokenizer, tmp_path) as server:
+        _talk(server.client(), [], "hello")
+        size = server.store.bytes
+
+    def started(service, host, port, *, on_ready, sock, **options):  # the start line, then stop instead of serving
+        on_ready("http://127.0.0.1:1/v1")
+        sock.close()
+        service.stop()
+
+    monkeypatch.setattr(app, "run", started)
+    args = ["--model", model_dir, "--model-name", MODEL, "--state-dir", tmp_path, "--port", "0", "--max-disk", "1GiB"]
+    code, _, stderr = command(capsys, "serve", *args, "--api-key", "a", "--api-key", "b", "--log-level", "warning")
+    assert code == 0, stderr
+    line = next(line for line in stderr.splitlines() if line.startswith("serving "))
+    assert f"| conversations in {tmp_path}: 1 ({size / 2**20:.1f} MiB on disk, at most 1024.0 MiB)," in line
+    assert line.endswith("| API key required (2 keys taken)")
