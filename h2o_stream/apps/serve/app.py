@@ -76,6 +76,7 @@ def create_app(service: Service) -> FastAPI:
     @app.get("/health")
     async def health():
         assert service.worker is not None  # the lifespan starts the service before the app takes any request
+        # counts the worker thread keeps, read here without it: each is one int or len(), read whole
         return {
             "status": "ok",
             "model": settings.served_model,
