@@ -152,3 +152,17 @@ def conversation(turns: list[tuple[str, str]], message: str, system: str | None 
     for user, reply in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
     return messages + [{"role": "user", "content": message}]
+
+
+def health(server: Running) -> dict:
+    """GET /health (no key): the server's own account of what it holds."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def on_disk(state_dir) -> dict[str, int]:
+    """Every file of the conversations directory and its size."""
+    return {p.name: p.stat().st_size for p in (Path(state_dir) / "conversations").iterdir() if p.is_file()}

@@ -1,9 +1,11 @@
 """The HTTP side: a FastAPI app with OpenAI's routes in front of a `Service`.
 
-    GET  /v1/models             the one model served
-    GET  /v1/models/{id}        that model (404 for any other)
-    POST /v1/chat/completions   a turn; with "stream": true as server-sent events in OpenAI's chunk format
-    POST /v1/completions        legacy text completion: a prompt continued, kept nowhere (streamed too)
+    GET    /v1/models                 the one model served
+    GET    /v1/models/{id}            that model (404 for any other)
+    POST   /v1/chat/completions       a turn; with "stream": true as server-sent events in OpenAI's chunk format
+    POST   /v1/completions            legacy text completion: a prompt continued, kept nowhere (streamed too)
+    DELETE /v1/conversations/{id}     removes a conversation of the caller's key (404 if it has none so named)
+    GET    /health                    no key needed: the model, the conversations held, the state directory's size
 
 Every response to a turn carries `X-Conversation-Id` (send it back to name the conversation) and, besides OpenAI's
 fields, an `h2o_stream` object (in a stream: on the last chunk) saying how the history was matched and what the cache
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,19 +87,30 @@ def create_app(service: Service) -> FastAPI:
             ApiError(500, f"internal error: {type(error).__name__}", kind="server_error").body(), status_code=500
         )
 
-    def authorize(request: Request) -> None:
-        if settings.api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        scheme, _, key = given.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(key.strip().encode(), settings.api_key.encode()):
-            raise ApiError(
-                401,
-                "a valid API key is needed (Authorization: Bearer KEY)"
-                if given
-                else "this server needs an API key (Authorization: Bearer KEY)",
-                code="invalid_api_key",
-            )
+    def authorize(request: Request) -> str:
+        """The owner of the request's conversations (its key's); ApiError 401 without a key the server takes."""
+        return service.keys.owner(request.headers.get("authorization"))
+
+    @app.get("/health")
+    async def health():
+        assert service.worker is not None  # the lifespan starts the service before the app takes any request
+        # counts the worker thread keeps, read here without it: each is one int or len(), read whole
+        return {
+            "status": "ok",
+            "model": settings.served_model,
+            "conversations": len(service.store.records),
+            "in_memory": len(service.worker.conversations.sessions),
+            "state_bytes": service.store.bytes,
+        }
+
+    @app.delete("/v1/conversations/{name}")
+    async def delete_conversation(name: str, request: Request):
+        owner = authorize(request)
+        assert service.worker is not None
+        # through the worker thread, which owns the registry: it runs the delete between two steps of the turns
+        # under way, so a turn never finds its conversation gone, and a busy one is refused (409)
+        await asyncio.wrap_future(service.worker.call(lambda conversations: conversations.delete(owner, name)))
+        return {"id": name, "object": "conversation.deleted", "deleted": True}
 
     @app.get("/v1/models")
     async def models(request: Request):
@@ -114,9 +126,9 @@ def create_app(service: Service) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        authorize(request)
+        owner = authorize(request)
         chat = parse_body(await _read_body(request, settings.limits), settings.limits, ChatRequest)
-        turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER))
+        turn = service.turn_request(chat, request.headers.get(CONVERSATION_HEADER), owner)
         return await _respond(request, _submit(service, turn), chat, CHAT)
 
     @app.post("/v1/completions")

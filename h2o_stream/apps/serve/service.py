@@ -16,8 +16,9 @@ from h2o_stream.errors import H2OStreamError
 from .batching import BatchedModel
 from .conversations import Conversations
 from .history import parse_history
+from .keys import Keys
 from .protocol import ApiError, ChatRequest, Limits, PromptLimit, TextRequest, reply_limit, stop_texts, unknown_model
-from .store import CONVERSATION_ID, Store
+from .store import CONVERSATION_ID, Bounds, Store
 from .worker import TextTurn, TurnRequest, Worker
 
 log = logging.getLogger("h2o_stream.serve")
@@ -27,7 +28,8 @@ DEFAULT_IN_MEMORY = 8
 @dataclass
 class ServeSettings:
     """How the server runs: where conversations live, how many stay in memory, the cache of a new conversation
-    (`policy` name, `cache_size`, budget `parts`), the request limits and the optional API key."""
+    (`policy` name, `cache_size`, budget `parts`), the request limits, the API keys (none: no key needed) and what
+    the state directory may keep."""
 
     state_dir: Path
     served_model: str
@@ -39,10 +41,11 @@ class ServeSettings:
     in_memory: int = DEFAULT_IN_MEMORY
     max_queue: int = 256
     default_max_tokens: int = 256  # a reply's length when the request gives none
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
     allow_request_settings: bool = False  # may a request choose its new conversation's policy and cache size
     batch: bool = True  # the forwards of the turns under way run as the rows of one batch
+    bounds: Bounds = field(default_factory=Bounds)
 
 
 class Service:
@@ -62,6 +65,7 @@ class Service:
         self.store = Store(settings.state_dir)
         config = model.config.get_text_config(decoder=True)
         self.limit = PromptLimit(settings.limits.max_prompt_tokens, getattr(config, "max_position_embeddings", None))
+        self.keys = Keys(settings.api_keys)
         self.worker: Worker | None = None
 
     def start(self) -> list[str]:
@@ -70,7 +74,9 @@ class Service:
         if self.worker is not None:
             return []
         notices = self.store.open()
-        conversations = Conversations(self.store, self._session, self.settings.in_memory)
+        conversations = Conversations(self.store, self._session, self.settings.in_memory, self.settings.bounds)
+        if removed := conversations.trim():
+            notices.append(f"removed {removed} conversation(s) unused for too long or beyond the disk bounds")
         self.worker = Worker(conversations, self.model, max_jobs=self.settings.max_queue, batch=self.settings.batch)
         self.worker.start()
         for notice in notices:
@@ -103,9 +109,9 @@ class Service:
             model_name=self.model_name,
         )
 
-    def turn_request(self, request: ChatRequest, conversation: str | None) -> TurnRequest:
-        """The turn a checked request asks for; ApiError for what only the server can judge (the model's name,
-        the conversation id, a per-request cache)."""
+    def turn_request(self, request: ChatRequest, conversation: str | None, owner: str = "") -> TurnRequest:
+        """The turn a checked request of `owner` (`keys.owner`) asks for; ApiError for what only the server can
+        judge (the model's name, the conversation id, a per-request cache)."""
         if request.model != self.settings.served_model:
             raise unknown_model(request.model, self.settings.served_model)
         if conversation is not None and not CONVERSATION_ID.fullmatch(conversation):
@@ -132,8 +138,9 @@ class Service:
         history = parse_history(
             request.messages, {"policy": policy, "rolling": self.settings.rolling, "model": self._model_key}
         )
+        sampling = self._sampling(request)
         return TurnRequest(
-            history, conversation, policy, self._sampling(request), self.limit, request.seed, stop_texts(request)
+            history, conversation, policy, sampling, self.limit, request.seed, stop_texts(request), owner
         )
 
     def text_request(self, request: TextRequest) -> TextTurn:

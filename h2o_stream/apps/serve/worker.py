@@ -8,6 +8,8 @@ run together. So replies stream side by side, a new request joins at the next ro
 conversations costs little more than one (on a CPU it is bound by reading the weights). Turns of one conversation
 run one after another (a request whose conversation is busy waits), and at most `capacity` turns are under way at
 once (the rest wait), which bounds memory. Events go back to the request's coroutine through its own asyncio queue.
+Other work on the conversations (a delete) is a `Call`, run by this thread when it takes it from the inbox, between
+two rounds: the registry stays the thread's own, with no lock.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import logging
 import queue
 import threading
 from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import greenlet
@@ -52,6 +56,7 @@ class TurnRequest:
     limit: PromptLimit
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    owner: str = ""  # whose conversations it may use (keys.owner_name of its API key; "" without keys)
 
 
 @dataclass
@@ -92,6 +97,20 @@ class Job:
             self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
 
+@dataclass
+class Call:
+    """Work on the conversations for the worker thread: `fn(conversations)`, its result or exception in `future`."""
+
+    fn: Callable[[Conversations], object]
+    future: Future = field(default_factory=Future)
+
+    def run(self, conversations: Conversations) -> None:
+        try:
+            self.future.set_result(self.fn(conversations))
+        except Exception as error:  # noqa: BLE001 - the caller's to handle (e.g. an ApiError for its client)
+            self.future.set_exception(error)
+
+
 class Worker:
     """The model worker thread (see the module docstring). `max_jobs` bounds the requests waiting or under way."""
 
@@ -99,7 +118,7 @@ class Worker:
         self.conversations, self.model = conversations, model
         self.max_jobs = max_jobs
         self.batch = batch  # False: the round's forwards run one by one (as rows of a batch they equal that)
-        self._inbox: queue.Queue[Job] = queue.Queue()
+        self._inbox: queue.Queue[Job | Call] = queue.Queue()
         self._pending: deque[Job] = deque()
         self._active: deque[Job] = deque()
         self._count = 0  # jobs submitted and not finished
@@ -140,6 +159,12 @@ class Worker:
         self._inbox.put(job)
         return job
 
+    def call(self, fn: Callable[[Conversations], object]) -> Future:
+        """Run `fn(conversations)` on the worker thread (within a step of now); its result in the future."""
+        call = Call(fn)
+        self._inbox.put(call)
+        return call.future
+
     # -- the thread ----------------------------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -165,18 +190,24 @@ class Worker:
 
     def _take(self, block: bool) -> None:
         try:
-            job = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
+            item = self._inbox.get(timeout=0.2) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
-        self._pending.append(job)
-        self._pending.extend(self._drain())
+        self._pending.extend(self._drain(item))
         self._changed = True
 
-    def _drain(self) -> list[Job]:
-        jobs = []
+    def _drain(self, *taken: Job | Call) -> list[Job]:
+        """The jobs among `taken` and in the inbox; each Call met is run now."""
+        jobs: list[Job] = []
+        items = list(taken)
         while True:
+            for item in items:
+                if isinstance(item, Call):
+                    item.run(self.conversations)
+                else:
+                    jobs.append(item)
             try:
-                jobs.append(self._inbox.get_nowait())
+                items = [self._inbox.get_nowait()]
             except queue.Empty:
                 return jobs
 
@@ -195,7 +226,7 @@ class Worker:
                 self._launch(job, self._text, job, request)
                 continue
             try:
-                plan = self.conversations.plan(request.history, request.conversation)
+                plan = self.conversations.plan(request.history, request.conversation, request.owner)
                 if plan is None:
                     continue
                 self._pending.remove(job)

@@ -92,7 +92,7 @@ def test_max_tokens_stop_texts_and_sampling_fields_are_honoured(server):
 
 
 def test_an_api_key_is_required_when_set(model, tokenizer, tmp_path):
-    with served(model, tokenizer, tmp_path, api_key="s3cret") as running:
+    with served(model, tokenizer, tmp_path, api_keys=("s3cret",)) as running:
         for key in ("wrong", "none"):
             with pytest.raises(openai.AuthenticationError) as refused:
                 running.client(api_key=key).models.list()
