@@ -1,8 +1,9 @@
 """serve: `h2o-stream serve` under load, on the default model.
 
 16 conversations talk to one server at once, 20 turns each, through the official `openai` client, streaming; the
-server keeps fewer conversations in memory than there are (--in-memory 8 of 16), so turns keep loading their
-conversation from its session file. Each client resends its whole history every turn, as OpenAI clients do.
+server keeps fewer idle conversations in memory than there are (--in-memory 8 of 16), so turns keep loading their
+conversation from its session file; up to --max-batch turns run at once, their forwards batched (--no-batching: one
+by one). Each client resends its whole history every turn, as OpenAI clients do.
 Recorded: every request's time to first token (from sending it to the first text chunk: queueing, reading the new
 message, the first token), its reply tokens and time; the server's resident memory sampled every half second; the
 tokens the server fed for each turn (the new message only, when the conversation was recognised). Pass criteria: no
@@ -60,6 +61,7 @@ QUESTIONS = [
 @click.option(
     "--in-memory", default=8, show_default=True, help="The server's --in-memory (fewer than --conversations)."
 )
+@click.option("--max-batch", default=16, show_default=True, help="The server's --max-batch: turns under way at once.")
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--max-tokens", default=16, show_default=True, help="Reply length limit per turn.")
 @click.option("--threads", default=2, show_default=True, help="The server's torch threads.")
@@ -72,17 +74,17 @@ QUESTIONS = [
 @click.option(
     "--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "serve" / "load.json", show_default=True
 )
-def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, threads, batching, out):
+def serve(model_spec, conversations, turns, in_memory, max_batch, cache_size, max_tokens, threads, batching, out):
     """16 conversations x 20 turns against one `h2o-stream serve`: failures, time to first token, tokens/s, RSS."""
     if in_memory >= conversations:
         raise BadInput(
             f"--in-memory ({in_memory}) must be smaller than --conversations ({conversations}): the run "
             "measures conversations going to disk and back"
         )
-    if min(conversations, turns, in_memory, max_tokens, threads) < 1:
-        raise BadInput("--conversations, --turns, --in-memory, --max-tokens and --threads must be >= 1")
+    if min(conversations, turns, in_memory, max_batch, max_tokens, threads) < 1:
+        raise BadInput("--conversations, --turns, --in-memory, --max-batch, --max-tokens and --threads must be >= 1")
     with tempfile.TemporaryDirectory(prefix="h2o-stream-serve-load-") as state:
-        process, url = _start(model_spec, state, in_memory, cache_size, threads, batching)
+        process, url = _start(model_spec, state, in_memory, max_batch, cache_size, threads, batching)
         try:
             result = _load(process, url, conversations, turns, max_tokens, cache_size)
         finally:
@@ -93,6 +95,7 @@ def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, t
         "conversations": conversations,
         "turns": turns,
         "in_memory": in_memory,
+        "max_batch": max_batch,
         "cache_size": cache_size,
         "policy": "h2o",
         "max_tokens": max_tokens,
@@ -103,7 +106,7 @@ def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, t
     write_result(out, result, plot)
 
 
-def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int, batching: bool):
+def _start(model_spec, state: str, in_memory: int, max_batch: int, cache_size: int, threads: int, batching: bool):
     command = [
         sys.executable,
         "-m",
@@ -115,6 +118,8 @@ def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int
         state,
         "--in-memory",
         str(in_memory),
+        "--max-batch",
+        str(max_batch),
         "--cache-size",
         str(cache_size),
         "--threads",
@@ -334,12 +339,12 @@ def serve_section(res, page) -> list[str]:
     s = runs[0][2]["settings"]
     intro = (
         f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
-        f"cache {s['cache_size']}, {s['in_memory']} turns under way at most, {s['server_threads']} server "
-        f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client; a column "
-        "per run. Batched, the forwards of every turn under way "
-        "run as the rows of one batch; one forward at a time is the server with `--no-batching`. Time to first "
-        "token is mostly waiting for a turn slot; the speeds are what each run got on a machine shared with "
-        "other jobs."
+        f"cache {s['cache_size']}, {s['in_memory']} idle conversations in memory, at most "
+        f"{s.get('max_batch', s['in_memory'])} turns under way, {s['server_threads']} server threads, replies of at "
+        f"most {s['max_tokens']} tokens), streamed through the openai client; a column per run, its settings in "
+        "its title where they differ. Batched, the forwards of every turn under way run as the rows of one batch; "
+        "one forward at a time is the server with `--no-batching` (a run before `--max-batch` existed ran "
+        "`--in-memory` turns at once). Time to first token is mostly waiting for a turn slot."
     )
 
     def row(name: str, cell) -> list[str]:

@@ -11,7 +11,7 @@ from pathlib import Path
 import click
 
 from h2o_stream.apps.chat.defaults import DEFAULT_CACHE_SIZE
-from h2o_stream.apps.serve.limits import Limits
+from h2o_stream.apps.serve.limits import DEFAULT_IN_MEMORY, DEFAULT_MAX_BATCH, Limits
 from h2o_stream.errors import H2OStreamError, one_line
 
 from .options import cache_options, model_options
@@ -56,10 +56,17 @@ DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
 @click.option(
     "--in-memory",
     type=click.IntRange(min=1),
-    default=8,
+    default=DEFAULT_IN_MEMORY,
     show_default=True,
-    help="Conversations held in memory at most (least recently used first out; the rest on disk). Also "
-    "how many turns run at once.",
+    help="Idle conversations held in memory at most (least recently used first out; the rest on disk).",
+)
+@click.option(
+    "--max-batch",
+    type=click.IntRange(min=1),
+    default=DEFAULT_MAX_BATCH,
+    show_default=True,
+    help="Turns under way at once, each a row of the batched forwards (more wait their turn). Memory holds at most "
+    "the larger of this and --in-memory conversations.",
 )
 @click.option(
     "--max-conversations",
@@ -169,6 +176,7 @@ def serve(
     port,
     state_dir,
     in_memory,
+    max_batch,
     max_conversations,
     max_disk,
     expire_after,
@@ -226,6 +234,7 @@ def serve(
         rolling=not no_rolling,
         chunk_size=chunk_size,
         in_memory=in_memory,
+        max_batch=max_batch,
         max_queue=max_queue,
         api_keys=api_keys,
         default_max_tokens=default_max_tokens,

@@ -13,8 +13,8 @@ from h2o_stream.lazy import lazy_exports
 __getattr__, __dir__, __all__ = lazy_exports(
     __name__,
     {
-        ".limits": ("Limits",),
+        ".limits": ("DEFAULT_IN_MEMORY", "DEFAULT_MAX_BATCH", "Limits"),
         ".protocol": ("ApiError",),
-        ".service": ("DEFAULT_IN_MEMORY", "ServeSettings", "Service", "api_key_from_env"),
+        ".service": ("ServeSettings", "Service", "api_key_from_env"),
     },
 )

@@ -87,9 +87,7 @@ class Conversations:
 
     def plan(self, history: History, conversation: str | None, owner: str = "") -> Plan | None:
         """The plan for a request of `owner`, its conversation marked busy; None while it must wait (its conversation
-        is busy, or `capacity` conversations are)."""
-        if len(self.busy) >= self.capacity:
-            return None
+        is busy). How many turns are under way at once is the worker's to bound."""
         if conversation:
             plan = self._by_id(history, stored_id(owner, conversation))
         else:

@@ -1,9 +1,13 @@
-"""What one request may ask of the server, as the operator sets it (`h2o-stream serve --max-...`). Its own module,
-without torch or pydantic, so the command line takes its defaults from here and its help stays fast."""
+"""What one request may ask of the server, and how much it holds at once, as the operator sets it (`h2o-stream serve
+--max-...`, `--in-memory`). Its own module, without torch or pydantic, so the command line takes its defaults from
+here and its help stays fast."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+DEFAULT_IN_MEMORY = 8  # idle conversations kept in memory between their turns
+DEFAULT_MAX_BATCH = 16  # turns under way at once, each a row of the batched forwards
 
 
 @dataclass

@@ -17,12 +17,12 @@ from .batching import BatchedModel
 from .conversations import Conversations
 from .history import parse_history
 from .keys import Keys
+from .limits import DEFAULT_IN_MEMORY, DEFAULT_MAX_BATCH
 from .protocol import ApiError, ChatRequest, Limits, PromptLimit, TextRequest, reply_limit, stop_texts, unknown_model
 from .store import CONVERSATION_ID, Bounds, Store
 from .worker import TextTurn, TurnRequest, Worker
 
 log = logging.getLogger("h2o_stream.serve")
-DEFAULT_IN_MEMORY = 8
 
 
 @dataclass
@@ -39,6 +39,7 @@ class ServeSettings:
     rolling: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
     in_memory: int = DEFAULT_IN_MEMORY
+    max_batch: int = DEFAULT_MAX_BATCH  # turns under way at once: the rows of a batched forward
     max_queue: int = 256
     default_max_tokens: int = 256  # a reply's length when the request gives none
     api_keys: tuple[str, ...] = ()
@@ -53,8 +54,9 @@ class Service:
     the model worker; `stop()` cancels what is under way (each conversation stays at its last completed turn)."""
 
     def __init__(self, model, tokenizer, settings: ServeSettings, *, model_name: str | None = None):
-        if settings.in_memory < 1:
-            raise H2OStreamError(f"--in-memory must be at least 1, got {settings.in_memory}")
+        for name in ("in_memory", "max_batch"):
+            if getattr(settings, name) < 1:
+                raise H2OStreamError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
         self._batched = BatchedModel(model)  # what sessions call: their forwards join the worker's batch
         self.model_name = model_name or settings.served_model
@@ -77,7 +79,13 @@ class Service:
         conversations = Conversations(self.store, self._session, self.settings.in_memory, self.settings.bounds)
         if removed := conversations.trim():
             notices.append(f"removed {removed} conversation(s) unused for too long or beyond the disk bounds")
-        self.worker = Worker(conversations, self.model, max_jobs=self.settings.max_queue, batch=self.settings.batch)
+        self.worker = Worker(
+            conversations,
+            self.model,
+            max_jobs=self.settings.max_queue,
+            max_batch=self.settings.max_batch,
+            batch=self.settings.batch,
+        )
         self.worker.start()
         for notice in notices:
             log.warning(notice)

@@ -6,7 +6,7 @@ those of every other turn under way (continuous batching, batching.py): each rou
 forward (a chunk of a replayed exchange or of the new message, or one token of the reply), then the round's forwards
 run together. So replies stream side by side, a new request joins at the next round, and a decode step of eight
 conversations costs little more than one (on a CPU it is bound by reading the weights). Turns of one conversation
-run one after another (a request whose conversation is busy waits), and at most `capacity` turns are under way at
+run one after another (a request whose conversation is busy waits), and at most `max_batch` turns are under way at
 once (the rest wait), which bounds memory. Events go back to the request's coroutine through its own asyncio queue.
 Other work on the conversations (a delete) is a `Call`, run by this thread when it takes it from the inbox, between
 two rounds: the registry stays the thread's own, with no lock.
@@ -114,9 +114,11 @@ class Call:
 class Worker:
     """The model worker thread (see the module docstring). `max_jobs` bounds the requests waiting or under way."""
 
-    def __init__(self, conversations: Conversations, model, *, max_jobs: int = 256, batch: bool = True):
+    def __init__(
+        self, conversations: Conversations, model, *, max_jobs: int = 256, max_batch: int = 16, batch: bool = True
+    ):
         self.conversations, self.model = conversations, model
-        self.max_jobs = max_jobs
+        self.max_jobs, self.max_batch = max_jobs, max_batch
         self.batch = batch  # False: the round's forwards run one by one (as rows of a batch they equal that)
         self._inbox: queue.Queue[Job | Call] = queue.Queue()
         self._pending: deque[Job] = deque()
@@ -218,7 +220,7 @@ class Worker:
                 self._pending.remove(job)
                 self._finish(job)
                 continue
-            if len(self._active) >= self.conversations.capacity:  # a cache per job under way: memory stays bounded
+            if len(self._active) >= self.max_batch:  # a cache per turn under way: memory stays bounded
                 continue
             request = job.request
             if isinstance(request, TextTurn):
