@@ -1,8 +1,9 @@
 """serve: `h2o-stream serve` under load, on the default model.
 
 16 conversations talk to one server at once, 20 turns each, through the official `openai` client, streaming; the
-server keeps fewer conversations in memory than there are (--in-memory 8 of 16), so turns keep loading their
-conversation from its session file. Each client resends its whole history every turn, as OpenAI clients do.
+server keeps fewer idle conversations in memory than there are (--in-memory 8 of 16), so turns keep loading their
+conversation from its session file; up to --max-batch turns run at once, their forwards batched (--no-batching: one
+by one). Each client resends its whole history every turn, as OpenAI clients do.
 Recorded: every request's time to first token (from sending it to the first text chunk: queueing, reading the new
 message, the first token), its reply tokens and time; the server's resident memory sampled every half second; the
 tokens the server fed for each turn (the new message only, when the conversation was recognised). Pass criteria: no
@@ -60,23 +61,30 @@ QUESTIONS = [
 @click.option(
     "--in-memory", default=8, show_default=True, help="The server's --in-memory (fewer than --conversations)."
 )
+@click.option("--max-batch", default=16, show_default=True, help="The server's --max-batch: turns under way at once.")
 @click.option("--cache-size", default=256, show_default=True)
 @click.option("--max-tokens", default=16, show_default=True, help="Reply length limit per turn.")
 @click.option("--threads", default=2, show_default=True, help="The server's torch threads.")
 @click.option(
+    "--batching/--no-batching",
+    default=True,
+    show_default=True,
+    help="The server's batching of the turns under way (--no-batching: its forwards one by one, to compare).",
+)
+@click.option(
     "--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "serve" / "load.json", show_default=True
 )
-def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, threads, out):
+def serve(model_spec, conversations, turns, in_memory, max_batch, cache_size, max_tokens, threads, batching, out):
     """16 conversations x 20 turns against one `h2o-stream serve`: failures, time to first token, tokens/s, RSS."""
     if in_memory >= conversations:
         raise BadInput(
             f"--in-memory ({in_memory}) must be smaller than --conversations ({conversations}): the run "
             "measures conversations going to disk and back"
         )
-    if min(conversations, turns, in_memory, max_tokens, threads) < 1:
-        raise BadInput("--conversations, --turns, --in-memory, --max-tokens and --threads must be >= 1")
+    if min(conversations, turns, in_memory, max_batch, max_tokens, threads) < 1:
+        raise BadInput("--conversations, --turns, --in-memory, --max-batch, --max-tokens and --threads must be >= 1")
     with tempfile.TemporaryDirectory(prefix="h2o-stream-serve-load-") as state:
-        process, url = _start(model_spec, state, in_memory, cache_size, threads)
+        process, url = _start(model_spec, state, in_memory, max_batch, cache_size, threads, batching)
         try:
             result = _load(process, url, conversations, turns, max_tokens, cache_size)
         finally:
@@ -87,16 +95,18 @@ def serve(model_spec, conversations, turns, in_memory, cache_size, max_tokens, t
         "conversations": conversations,
         "turns": turns,
         "in_memory": in_memory,
+        "max_batch": max_batch,
         "cache_size": cache_size,
         "policy": "h2o",
         "max_tokens": max_tokens,
         "server_threads": threads,
+        "batching": batching,
     }
     result["environment"] = environment()
     write_result(out, result, plot)
 
 
-def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int):
+def _start(model_spec, state: str, in_memory: int, max_batch: int, cache_size: int, threads: int, batching: bool):
     command = [
         sys.executable,
         "-m",
@@ -108,6 +118,8 @@ def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int
         state,
         "--in-memory",
         str(in_memory),
+        "--max-batch",
+        str(max_batch),
         "--cache-size",
         str(cache_size),
         "--threads",
@@ -116,6 +128,7 @@ def _start(model_spec, state: str, in_memory: int, cache_size: int, threads: int
         "warning",
         "--model-name",
         "model",
+        *([] if batching else ["--no-batching"]),
     ]
     return start_server(command + (["--model", model_spec] if model_spec else []))
 
@@ -303,47 +316,89 @@ def plot(result: dict, path) -> None:
     )
 
 
-def serve_section(res, page) -> list[str]:
-    """docs/results.md's section for eval/results/serve/load.json (called by eval.results_page)."""
+#: the committed runs the results page shows side by side, in this order (those present)
+RUNS = ("serve/load.json", "serve/load_unbatched.json", "serve/load_32.json")
 
-    result = res.get("serve/load.json")
-    if not result:
+
+def _title(result: dict, first: dict) -> str:
+    """A run's column: batched or not (a run that does not say predates batching), and its conversations where
+    they differ from the first run's."""
+    settings = result["settings"]
+    title = "batched" if settings.get("batching", False) else "one forward at a time"
+    if settings["conversations"] != first["settings"]["conversations"]:
+        title += f", {settings['conversations']} conversations"
+    return title
+
+
+def serve_section(res, page) -> list[str]:
+    """docs/results.md's section for the runs of `RUNS` (called by eval.results_page), side by side."""
+    found = [(path, res.get(path)) for path in RUNS if res.get(path)]
+    if not found:
         return []
-    s, rss, ttft = result["settings"], result["rss"], result["ttft_seconds"]
-    passed = ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in result["passed"].items())
+    runs = [(path, _title(result, found[0][1]), result) for path, result in found]
+    s = runs[0][2]["settings"]
     intro = (
         f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
-        f"cache {s['cache_size']}, {s['in_memory']} conversations in memory, {s['server_threads']} server "
-        f"threads, replies of at most {s['max_tokens']} tokens), streamed through the openai client. One "
-        "model worker serves every turn, so time to first token is mostly waiting for a turn slot and for the "
-        "other turns' steps; the speeds are what this run got on a machine shared with other jobs."
+        f"cache {s['cache_size']}, {s['in_memory']} idle conversations in memory, at most "
+        f"{s.get('max_batch', s['in_memory'])} turns under way, {s['server_threads']} server threads, replies of at "
+        f"most {s['max_tokens']} tokens), streamed through the openai client; a column per run, its settings in "
+        "its title where they differ. Batched, the forwards of every turn under way run as the rows of one batch; "
+        "one forward at a time is the server with `--no-batching` (a run before `--max-batch` existed ran "
+        "`--in-memory` turns at once). Time to first token is mostly waiting for a turn slot."
     )
+
+    def row(name: str, cell) -> list[str]:
+        return [name, *(cell(result) for _, _, result in runs)]
+
+    def rss_cell(r: dict) -> str:
+        rss = r["rss"]
+        return (
+            f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → {rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
+            f"({num(rss['ratio'], 3)}×)"
+        )
+
+    def ttft_cell(r: dict) -> str:
+        t = r["ttft_seconds"]
+        return f"{num(t['p50'])} / {num(t['p95'])} / {num(t['max'])} s"
+
+    def second_turns(r: dict) -> str:
+        rss = r["rss"]
+        return f"{rss['at_second_turns_bytes'] / 2**20:,.1f} MiB ({num(rss['ratio_after_second_turns'], 3)}×)"
+
+    def recognised(r: dict) -> str:
+        return f"{r['recognised']} of {r['later_turns']}"
+
+    def one_request(r: dict) -> str:
+        return num(r["per_request_tokens_per_second_median"])
+
+    def passed_cell(r: dict) -> str:
+        return ", ".join(f"{name.replace('_', ' ')}: {'yes' if ok else 'NO'}" for name, ok in r["passed"].items())
+
     lines = ["## Serve under load", "", intro, ""]
     lines += table(
-        ["measure", "value"],
+        ["measure", *(title for _, title, _ in runs)],
         [
-            ["requests (failed)", f"{result['requests']} of {result['expected_requests']} ({result['failed']})"],
-            ["later turns recognised (only the new message fed)", f"{result['recognised']} of {result['later_turns']}"],
-            ["tokens fed per later turn, median", num(result["fed_tokens_later_turns_median"], 0)],
-            ["time to first token p50 / p95 / max", f"{num(ttft['p50'])} / {num(ttft['p95'])} / {num(ttft['max'])} s"],
-            ["reply tokens per second, all conversations together", num(result["tokens_per_second"])],
-            ["reply tokens per second of one request, median", num(result["per_request_tokens_per_second_median"])],
-            [
-                "server RSS at warm-up → largest after",
-                (
-                    f"{rss['at_warm_up_bytes'] / 2**20:,.1f} → "
-                    f"{rss['max_after_warm_up_bytes'] / 2**20:,.1f} MiB "
-                    f"({num(rss['ratio'], 3)}×)"
-                ),
-            ],
-            ["warm-up ends", f"{rss['warm_up_ends']}, at {num(rss['warm_up_seconds'], 0)} s"],
-            [
-                "server RSS once every second turn is done → largest after (caches still filling)",
-                f"{rss['at_second_turns_bytes'] / 2**20:,.1f} MiB ({num(rss['ratio_after_second_turns'], 3)}×)",
-            ],
-            ["wall time", f"{num(result['wall_seconds'], 0)} s"],
-            ["pass", passed],
+            row("requests (failed)", lambda r: f"{r['requests']} of {r['expected_requests']} ({r['failed']})"),
+            row(
+                "later turns recognised (only the new message fed)",
+                lambda r: f"{r['recognised']} of {r['later_turns']}",
+            ),
+            row("tokens fed per later turn, median", lambda r: num(r["fed_tokens_later_turns_median"], 0)),
+            row("time to first token p50 / p95 / max", ttft_cell),
+            row("reply tokens per second, all conversations together", lambda r: num(r["tokens_per_second"])),
+            row(
+                "reply tokens per second of one request, median",
+                lambda r: num(r["per_request_tokens_per_second_median"]),
+            ),
+            row("server RSS at warm-up → largest after", rss_cell),
+            row("warm-up ends", lambda r: f"{r['rss']['warm_up_ends']}, at {num(r['rss']['warm_up_seconds'], 0)} s"),
+            row("server RSS once every second turn is done → largest after (caches still filling)", second_turns),
+            row("wall time", lambda r: f"{num(r['wall_seconds'], 0)} s"),
+            row("pass", passed_cell),
         ],
-        {1},
+        set(range(1, len(runs) + 1)),
     )
-    return lines + [source(res, "serve/load.json"), ""] + res.figure("serve/load.png", page, "serve under load")
+    lines += [" ".join(source(res, path) for path, _, _ in runs), ""]
+    for path, title, _ in runs:
+        lines += res.figure(path.replace(".json", ".png"), page, f"serve under load, {title}")
+    return lines

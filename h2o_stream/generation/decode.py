@@ -49,6 +49,7 @@ class Decoder:
     from (default: one seeded with `sampling.seed`); the caller may save and restore its state. `stop_strings`: text
     that ends a reply (the text before it is kept). `context_ids`: tokens the repetition controls also count, before
     the reply (as `model.generate` counts the prompt); default none, so only the reply itself is penalized.
+    `strip_start`: drop the reply's leading whitespace (False for a text that continues a prompt).
     """
 
     def __init__(
@@ -61,8 +62,10 @@ class Decoder:
         generator: torch.Generator | None = None,
         stop_strings: tuple[str, ...] = (),
         context_ids: Iterable[int] = (),
+        strip_start: bool = True,
     ):
         self.model, self.tokenizer, self.sampling = model, tokenizer, sampling
+        self.strip_start = strip_start
         self.stop_ids = set(stop_ids)
         self.generator = generator if generator is not None else sampling.new_generator()
         self.stop_strings = tuple(stop_strings)
@@ -83,7 +86,7 @@ class Decoder:
         `should_stop()` is polled before every token; True ends the reply there ("cancelled")."""
         limit = max_new_tokens or self.sampling.max_new_tokens
         result = self.result = Generation()
-        text = TextStream(self.tokenizer, self.stop_strings)
+        text = TextStream(self.tokenizer, self.stop_strings, strip_start=self.strip_start)
         start = time.perf_counter()
         for step in range(limit):
             if should_stop is not None and should_stop():

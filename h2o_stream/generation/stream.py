@@ -14,15 +14,16 @@ from transformers import TextStreamer
 
 class TextStream(TextStreamer):
     """Token ids in (`push`, one at a time), final text out. `push` returns the text that became final (maybe "");
-    `finish` returns the rest at the end. `stopped` is the stop string that ended the text, or None."""
+    `finish` returns the rest at the end. `stopped` is the stop string that ended the text, or None. `strip_start`:
+    drop the text's leading whitespace (a reply's; a text that continues a prompt keeps it)."""
 
-    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stop_strings: tuple[str, ...] = (), *, strip_start: bool = True):
         super().__init__(tokenizer, skip_prompt=False, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         self.stop_strings = tuple(s for s in stop_strings if s)
         self.stopped: str | None = None
         self._held = ""  # final text not released yet: it may be the start of a stop string
         self._out: list[str] = []
-        self._started = False
+        self._started = not strip_start  # a text that continues a prompt keeps its leading space
 
     def push(self, token: int) -> str:
         """Add one token; the text it made final."""

@@ -8,11 +8,14 @@ is a deterministic function of what the cache holds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import openai
@@ -100,6 +103,16 @@ def serve_process(model_dir, state_dir, *extra, env=None) -> tuple[subprocess.Po
         pytest.fail(str(error))
 
 
+def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
+    """A request without the openai client (to send what it never would): its status and JSON body."""
+    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+
+
 def reply_of(response) -> str:
     return response.choices[0].message.content
 
@@ -139,3 +152,17 @@ def conversation(turns: list[tuple[str, str]], message: str, system: str | None 
     for user, reply in turns:
         messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
     return messages + [{"role": "user", "content": message}]
+
+
+def health(server: Running) -> dict:
+    """GET /health (no key): the server's own account of what it holds."""
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(server.url.removesuffix("/v1") + "/health", timeout=60) as answer:
+        return json.loads(answer.read())
+
+
+def on_disk(state_dir) -> dict[str, int]:
+    """Every file of the conversations directory and its size."""
+    return {p.name: p.stat().st_size for p in (Path(state_dir) / "conversations").iterdir() if p.is_file()}

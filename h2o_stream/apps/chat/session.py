@@ -199,11 +199,7 @@ class ChatSession:
         checkpoint = self._checkpoint()
         try:
             start = time.perf_counter()
-            ids = (
-                self.format.user_ids(text, first=self.turns == 0)
-                + self.format.encode(reply)
-                + self.format.closing_ids()
-            )
+            ids = self._exchange_ids(text, reply, first=self.turns == 0)
             feed(self.model, self.cache, torch.tensor([ids], dtype=torch.long), self.chunk_size)
             seconds = time.perf_counter() - start
         except BaseException:
@@ -220,6 +216,18 @@ class ChatSession:
                 generate_seconds=0.0,
             ),
         )
+
+    def _exchange_ids(self, text: str, reply: str, *, first: bool) -> list[int]:
+        return self.format.user_ids(text, first=first) + self.format.encode(reply) + self.format.closing_ids()
+
+    def prompt_size(self, exchanges: Sequence[tuple[str, str]], text: str) -> int:
+        """How many tokens replaying `exchanges` and then reading the message `text` would feed (before a reply):
+        what a turn costs before it starts."""
+        size, first = 0, self.turns == 0
+        for user, reply in exchanges:
+            size += len(self._exchange_ids(user, reply, first=first))
+            first = False
+        return size + len(self.format.user_ids(text, first=first))
 
     def chat(self, text: str, *, should_stop: Callable[[], bool] | None = None, stop: Sequence[str] = ()) -> TurnResult:
         """`send` without streaming: the whole turn, then its TurnResult."""

@@ -8,7 +8,13 @@ the parts together, app.py is the HTTP layer (FastAPI; `pip install "h2o-stream[
 client sees it.
 """
 
-from .protocol import ApiError, Limits
-from .service import DEFAULT_IN_MEMORY, ServeSettings, Service, api_key_from_env
+from h2o_stream.lazy import lazy_exports
 
-__all__ = ["DEFAULT_IN_MEMORY", "ApiError", "Limits", "ServeSettings", "Service", "api_key_from_env"]
+__getattr__, __dir__, __all__ = lazy_exports(
+    __name__,
+    {
+        ".limits": ("DEFAULT_IN_MEMORY", "DEFAULT_MAX_BATCH", "Limits"),
+        ".protocol": ("ApiError",),
+        ".service": ("ServeSettings", "Service", "api_key_from_env"),
+    },
+)

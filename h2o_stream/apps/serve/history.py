@@ -34,30 +34,42 @@ class History:
 
 def parse_history(messages: list, cache_key: dict) -> History:
     """The History of a request's (validated) messages; ApiError 400 naming the message at fault. The messages are
-    optional system messages, then user and assistant in turn, ending with a user message."""
-    texts = [(m.role, _text(m.content, index)) for index, m in enumerate(messages)]
-    system_parts = []
-    while texts and texts[0][0] in SYSTEM_ROLES:
-        system_parts.append(texts.pop(0)[1])
-    offset = len(system_parts)
-    for index, (role, text) in enumerate(texts):
-        expected = "user" if index % 2 == 0 else "assistant"
+    user and assistant in turn, ending with a user message, with system messages anywhere: those before the first
+    user message are the system prompt; a later one is folded into a user message, as a template without system
+    turns mid-conversation needs: after the text of the user message it follows when that message has no reply yet,
+    else before the text of the next user message. So a history folds the same way on every later turn."""
+    system_parts: list[str] = []
+    turns: list[tuple[str, str]] = []
+    waiting: list[str] = []  # system texts for the next user message
+    for index, message in enumerate(messages):
+        role, text = message.role, _text(message.content, index)
+        where = f"messages[{index}]"
+        if role in SYSTEM_ROLES:
+            if not turns:
+                system_parts.append(text)
+            elif text.strip() and len(turns) % 2 == 1:  # the last user message has no reply yet
+                turns[-1] = ("user", f"{turns[-1][1]}\n\n{text}")
+            elif text.strip():
+                waiting.append(text)
+            continue
+        expected = "user" if len(turns) % 2 == 0 else "assistant"
         if role != expected:
-            where = "after the system messages" if role in SYSTEM_ROLES else f"where a {expected} message belongs"
             raise ApiError(
                 400,
-                f"messages[{index + offset}] has role {role!r} {where}: the messages must be "
-                "system messages (optional), then user and assistant in turn, ending with a user "
-                "message",
-                param=f"messages[{index + offset}]",
+                f"{where} has role {role!r} where a {expected} message belongs: the messages must be user and "
+                "assistant in turn, ending with a user message (system messages may come anywhere)",
+                param=where,
             )
-        if role == "user" and not text.strip():
-            raise ApiError(400, f"messages[{index + offset}] is empty", param=f"messages[{index + offset}]")
-    if not texts or texts[-1][0] != "user":
+        if role == "user":
+            if not text.strip():
+                raise ApiError(400, f"{where} is empty", param=where)
+            text, waiting = "\n\n".join([*waiting, text]), []
+        turns.append((role, text))
+    if not turns or turns[-1][0] != "user":
         raise ApiError(400, "the last message must be a user message", param="messages")
-    system = "\n\n".join(system_parts) if system_parts and any(p.strip() for p in system_parts) else None
-    exchanges = [(texts[i][1], texts[i + 1][1]) for i in range(0, len(texts) - 1, 2)]
-    history = History(system, exchanges, texts[-1][1])
+    system = "\n\n".join(system_parts) if any(p.strip() for p in system_parts) else None
+    exchanges = [(turns[i][1], turns[i + 1][1]) for i in range(0, len(turns) - 1, 2)]
+    history = History(system, exchanges, turns[-1][1])
     history.prefix = prefix_digests(system, exchanges, cache_key)
     return history
 

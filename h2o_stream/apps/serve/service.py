@@ -13,20 +13,23 @@ from h2o_stream.apps.chat.session_file import model_fingerprint, policy_from_set
 from h2o_stream.engine.policies import make_policy
 from h2o_stream.errors import H2OStreamError
 
+from .batching import BatchedModel
 from .conversations import Conversations
 from .history import parse_history
-from .protocol import ApiError, ChatRequest, Limits, reply_limit, stop_texts
-from .store import CONVERSATION_ID, Store
-from .worker import TurnRequest, Worker
+from .keys import Keys
+from .limits import DEFAULT_IN_MEMORY, DEFAULT_MAX_BATCH
+from .protocol import ApiError, ChatRequest, Limits, PromptLimit, TextRequest, reply_limit, stop_texts, unknown_model
+from .store import CONVERSATION_ID, Bounds, Store
+from .worker import TextTurn, TurnRequest, Worker
 
 log = logging.getLogger("h2o_stream.serve")
-DEFAULT_IN_MEMORY = 8
 
 
 @dataclass
 class ServeSettings:
     """How the server runs: where conversations live, how many stay in memory, the cache of a new conversation
-    (`policy` name, `cache_size`, budget `parts`), the request limits and the optional API key."""
+    (`policy` name, `cache_size`, budget `parts`), the request limits, the API keys (none: no key needed) and what
+    the state directory may keep."""
 
     state_dir: Path
     served_model: str
@@ -36,10 +39,14 @@ class ServeSettings:
     rolling: bool = True
     chunk_size: int = DEFAULT_CHUNK_SIZE
     in_memory: int = DEFAULT_IN_MEMORY
+    max_batch: int = DEFAULT_MAX_BATCH  # turns under way at once: the rows of a batched forward
     max_queue: int = 256
     default_max_tokens: int = 256  # a reply's length when the request gives none
-    api_key: str | None = None
+    api_keys: tuple[str, ...] = ()
     limits: Limits = field(default_factory=Limits)
+    allow_request_settings: bool = False  # may a request choose its new conversation's policy and cache size
+    batch: bool = True  # the forwards of the turns under way run as the rows of one batch
+    bounds: Bounds = field(default_factory=Bounds)
 
 
 class Service:
@@ -47,15 +54,20 @@ class Service:
     the model worker; `stop()` cancels what is under way (each conversation stays at its last completed turn)."""
 
     def __init__(self, model, tokenizer, settings: ServeSettings, *, model_name: str | None = None):
-        if settings.in_memory < 1:
-            raise H2OStreamError(f"--in-memory must be at least 1, got {settings.in_memory}")
+        for name in ("in_memory", "max_batch"):
+            if getattr(settings, name) < 1:
+                raise H2OStreamError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(settings, name)}")
         self.model, self.tokenizer, self.settings = model, tokenizer, settings
+        self._batched = BatchedModel(model)  # what sessions call: their forwards join the worker's batch
         self.model_name = model_name or settings.served_model
         self.default_policy = self._policy(settings.policy, settings.cache_size, settings.parts).settings()
         # part of every history's digest: a conversation saved with another model is another conversation (its
         # files stay as they are, for when that model is served again)
         self._model_key = {k: v for k, v in model_fingerprint(model).items() if k != "name"}
         self.store = Store(settings.state_dir)
+        config = model.config.get_text_config(decoder=True)
+        self.limit = PromptLimit(settings.limits.max_prompt_tokens, getattr(config, "max_position_embeddings", None))
+        self.keys = Keys(settings.api_keys)
         self.worker: Worker | None = None
 
     def start(self) -> list[str]:
@@ -64,8 +76,16 @@ class Service:
         if self.worker is not None:
             return []
         notices = self.store.open()
-        conversations = Conversations(self.store, self._session, self.settings.in_memory)
-        self.worker = Worker(conversations, max_jobs=self.settings.max_queue)
+        conversations = Conversations(self.store, self._session, self.settings.in_memory, self.settings.bounds)
+        if removed := conversations.trim():
+            notices.append(f"removed {removed} conversation(s) unused for too long or beyond the disk bounds")
+        self.worker = Worker(
+            conversations,
+            self.model,
+            max_jobs=self.settings.max_queue,
+            max_batch=self.settings.max_batch,
+            batch=self.settings.batch,
+        )
         self.worker.start()
         for notice in notices:
             log.warning(notice)
@@ -87,7 +107,7 @@ class Service:
 
     def _session(self, system: str | None, policy: dict) -> ChatSession:
         return ChatSession(
-            self.model,
+            self._batched,
             self.tokenizer,
             policy=policy_from_settings(policy),
             rolling=self.settings.rolling,
@@ -97,22 +117,25 @@ class Service:
             model_name=self.model_name,
         )
 
-    def turn_request(self, request: ChatRequest, conversation: str | None) -> TurnRequest:
-        """The turn a checked request asks for; ApiError for what only the server can judge (the model's name,
-        the conversation id, a per-request cache)."""
+    def turn_request(self, request: ChatRequest, conversation: str | None, owner: str = "") -> TurnRequest:
+        """The turn a checked request of `owner` (`keys.owner`) asks for; ApiError for what only the server can
+        judge (the model's name, the conversation id, a per-request cache)."""
         if request.model != self.settings.served_model:
-            raise ApiError(
-                404,
-                f"the model {request.model!r} does not exist here; this server serves "
-                f"{self.settings.served_model!r} (GET /v1/models)",
-                param="model",
-                code="model_not_found",
-            )
+            raise unknown_model(request.model, self.settings.served_model)
         if conversation is not None and not CONVERSATION_ID.fullmatch(conversation):
             raise ApiError(
                 400, "X-Conversation-Id must be 1 to 64 letters, digits, '-' or '_'", param="X-Conversation-Id"
             )
         policy = self.default_policy
+        if (request.policy is not None or request.cache_size is not None) and not self.settings.allow_request_settings:
+            given = "policy" if request.policy is not None else "cache_size"
+            raise ApiError(
+                400,
+                f"this server chooses the cache itself ({self.policy_text}): remove {given} from the request (its "
+                "operator may allow it: h2o-stream serve --allow-request-settings)",
+                param=given,
+                code="setting_not_allowed",
+            )
         if request.policy is not None or request.cache_size is not None:
             name = request.policy or self.settings.policy
             parts = self.settings.parts if name == self.settings.policy else {}
@@ -123,14 +146,33 @@ class Service:
         history = parse_history(
             request.messages, {"policy": policy, "rolling": self.settings.rolling, "model": self._model_key}
         )
-        sampling = {
+        sampling = self._sampling(request)
+        return TurnRequest(
+            history, conversation, policy, sampling, self.limit, request.seed, stop_texts(request), owner
+        )
+
+    def text_request(self, request: TextRequest) -> TextTurn:
+        """The text completion a checked request asks for, in a cache of the server's policy."""
+        if request.model != self.settings.served_model:
+            raise unknown_model(request.model, self.settings.served_model)
+        return TextTurn(
+            request.text,
+            self.default_policy,
+            self._sampling(request),
+            self.limit,
+            request.seed,
+            stop_texts(request),
+            request.echo,
+        )
+
+    def _sampling(self, request) -> dict:
+        return {
             "temperature": request.temperature,
             "top_p": request.top_p,
             "top_k": request.top_k,
             "repetition_penalty": request.repetition_penalty,
             "max_new_tokens": reply_limit(request) or self.settings.default_max_tokens,
         }
-        return TurnRequest(history, conversation, policy, sampling, request.seed, stop_texts(request))
 
 
 def api_key_from_env(given: str | None) -> str | None:

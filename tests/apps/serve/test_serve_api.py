@@ -5,34 +5,25 @@ that go away mid-stream, and conversations served side by side."""
 from __future__ import annotations
 
 import io
-import json
 import threading
-import urllib.error
-import urllib.request
 
 import openai
 import pytest
 
 from h2o_stream.apps.serve import Limits
-from support.serve_helpers import GREEDY, MODEL, conversation, extra, reference, reply_of, served, streamed
+from support.serve_helpers import GREEDY, MODEL, conversation, extra, raw, reference, reply_of, served, streamed
 
 TRAINING_TEXTS = ["hello world, what is two plus two? the answer is four.", "user assistant system"]
-
-
-def raw(url: str, body: bytes | None = None) -> tuple[int, dict]:
-    """A request without the openai client (to send what it never would): its status and JSON body."""
-    request = urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=60) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as error:
-        return error.code, json.loads(error.read())
 
 
 @pytest.fixture(scope="module")
 def server(model, tokenizer, tmp_path_factory):
     with served(
-        model, tokenizer, tmp_path_factory.mktemp("state"), limits=Limits(max_tokens=4096, max_messages=50)
+        model,
+        tokenizer,
+        tmp_path_factory.mktemp("state"),
+        limits=Limits(max_tokens=4096, max_messages=50),
+        allow_request_settings=True,
     ) as running:
         yield running
 
@@ -101,7 +92,7 @@ def test_max_tokens_stop_texts_and_sampling_fields_are_honoured(server):
 
 
 def test_an_api_key_is_required_when_set(model, tokenizer, tmp_path):
-    with served(model, tokenizer, tmp_path, api_key="s3cret") as running:
+    with served(model, tokenizer, tmp_path, api_keys=("s3cret",)) as running:
         for key in ("wrong", "none"):
             with pytest.raises(openai.AuthenticationError) as refused:
                 running.client(api_key=key).models.list()
