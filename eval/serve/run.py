@@ -321,10 +321,9 @@ RUNS = ("serve/load.json", "serve/load_unbatched.json", "serve/load_32.json")
 
 
 def _title(result: dict, first: dict) -> str:
-    """A run's column: batched or not (a run that does not say predates batching), and its conversations where
-    they differ from the first run's."""
+    """A run's column: batched or not, and its conversations where they differ from the first run's."""
     settings = result["settings"]
-    title = "batched" if settings.get("batching", False) else "one forward at a time"
+    title = "batched" if settings["batching"] else "one forward at a time"
     if settings["conversations"] != first["settings"]["conversations"]:
         title += f", {settings['conversations']} conversations"
     return title
@@ -340,11 +339,11 @@ def serve_section(res, page) -> list[str]:
     intro = (
         f"{s['conversations']} conversations × {s['turns']} turns against one `h2o-stream serve` ({s['policy']} "
         f"cache {s['cache_size']}, {s['in_memory']} idle conversations in memory, at most "
-        f"{s.get('max_batch', s['in_memory'])} turns under way, {s['server_threads']} server threads, replies of at "
+        f"{s['max_batch']} turns under way, {s['server_threads']} server threads, replies of at "
         f"most {s['max_tokens']} tokens), streamed through the openai client; a column per run, its settings in "
         "its title where they differ. Batched, the forwards of every turn under way run as the rows of one batch; "
-        "one forward at a time is the server with `--no-batching` (a run before `--max-batch` existed ran "
-        "`--in-memory` turns at once). Time to first token is mostly waiting for a turn slot."
+        "one forward at a time is the server with `--no-batching`. Time to first token is mostly waiting for a "
+        "turn slot."
     )
 
     def row(name: str, cell) -> list[str]:
