@@ -120,8 +120,7 @@ class Service:
     def turn_request(self, request: ChatRequest, conversation: str | None, owner: str = "") -> TurnRequest:
         """The turn a checked request of `owner` (`keys.owner`) asks for; ApiError for what only the server can
         judge (the model's name, the conversation id, a per-request cache)."""
-        if request.model != self.settings.served_model:
-            raise unknown_model(request.model, self.settings.served_model)
+        self._check_model(request)
         if conversation is not None and not CONVERSATION_ID.fullmatch(conversation):
             raise ApiError(
                 400, "X-Conversation-Id must be 1 to 64 letters, digits, '-' or '_'", param="X-Conversation-Id"
@@ -153,8 +152,7 @@ class Service:
 
     def text_request(self, request: TextRequest) -> TextTurn:
         """The text completion a checked request asks for, in a cache of the server's policy."""
-        if request.model != self.settings.served_model:
-            raise unknown_model(request.model, self.settings.served_model)
+        self._check_model(request)
         return TextTurn(
             request.text,
             self.default_policy,
@@ -164,6 +162,10 @@ class Service:
             stop_texts(request),
             request.echo,
         )
+
+    def _check_model(self, request) -> None:
+        if request.model != self.settings.served_model:
+            raise unknown_model(request.model, self.settings.served_model)
 
     def _sampling(self, request) -> dict:
         return {

@@ -329,7 +329,6 @@ class Worker:
             {
                 "finish_reason": "length" if result.stop_reason == "length" else "stop",
                 "usage": usage(0, len(ids), len(result.token_ids)),
-                "extra": {"policy": session.stats()["policy"]},
             },
         )
 
